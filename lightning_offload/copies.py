@@ -1,0 +1,131 @@
+"""The records a pack hook leaves in the autograd graph: one host copy per storage span, one view per saved tensor."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+if TYPE_CHECKING:
+    from lightning_offload.host_pool import HostPool
+
+# Spans are cut at this alignment so a restored view sits at the same address modulo 512 as the original:
+# kernels (cuBLAS among them) pick code paths by alignment, and the arithmetic must stay bit-identical.
+SPAN_ALIGN = 512
+
+
+class State(enum.Enum):
+    PENDING = "pending"  # saved, still on the device, may be offloaded later (resident tail / pacing)
+    RESIDENT = "resident"  # stays on the device for good
+    OFFLOADED = "offloaded"  # its bytes live in a host buffer
+    DROPPED = "dropped"  # released after the step raised; unpacking is an error
+
+
+class StorageCopy:
+    """The bytes ``[lo, hi)`` of one device storage, and where they currently live.
+
+    Several saved tensors that share a storage share one ``StorageCopy``, so the bytes cross the link once.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "d2h_done",
+        "device",
+        "end_pos",
+        "h2d_done",
+        "hi",
+        "host",
+        "last_use",
+        "lo",
+        "pool",
+        "producer",
+        "src",
+        "state",
+        "storage_ref",
+        "version",
+        "views_left",
+    )
+
+    def __init__(self, tensor: torch.Tensor, storage_ref: StorageWeakRef, lo: int, hi: int, producer: object) -> None:
+        storage = tensor.untyped_storage()
+        self.storage_ref = storage_ref  # keeps the storage's identity unique while this record lives
+        self.version = tensor._version
+        self.lo, self.hi = lo, hi
+        # A flat byte view of the span: copies move raw bytes, whatever the dtype, strides or offset.
+        self.src: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            storage, lo, (hi - lo,), (1,)
+        )
+        self.producer = producer  # the stream that was current when the tensor was saved
+        self.state = State.PENDING
+        self.host: torch.Tensor | None = None
+        self.pool: HostPool | None = None
+        self.device: torch.Tensor | None = None  # the span back on the device, once fetched
+        self.d2h_done: torch.cuda.Event | None = None
+        self.h2d_done: torch.cuda.Event | None = None
+        self.last_use: torch.cuda.Event | None = None  # the last copy that touched ``host``
+        self.views_left = 0
+        self.end_pos = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+    def covers(self, lo: int, hi: int, version: int) -> bool:
+        """Whether a tensor spanning ``[lo, hi)`` of the same storage, at ``version``, can be served from here."""
+        return self.lo <= lo and hi <= self.hi and version == self.version and self.state is not State.DROPPED
+
+    def drop_host(self) -> None:
+        """Return the host buffer to its pool (reused only after the last copy on it completes)."""
+        host, pool = self.host, self.pool
+        self.host = self.pool = None
+        if host is not None and pool is not None:
+            pool.release(host, self.last_use)
+
+    def __del__(self) -> None:
+        # The graph that held this record is gone (backward ran, or the forward was discarded).
+        self.drop_host()
+
+
+class SavedView:
+    """What autograd holds instead of an offloadable tensor: how to rebuild it from its ``StorageCopy``."""
+
+    __slots__ = ("copy", "dtype", "first", "offset", "size", "stride")
+
+    def __init__(self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int) -> None:
+        self.copy = copy
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = byte_start - copy.lo  # bytes from the start of the span to the tensor's first element
+        self.first = True
+        copy.views_left += 1
+
+    def rebuild(self, span: torch.Tensor) -> torch.Tensor:
+        """The saved tensor, as a view with its exact size, stride and storage offset into ``span``'s storage."""
+        itemsize = self.dtype.itemsize
+        offset = (span.storage_offset() + self.offset) // itemsize
+        out = torch.empty(0, dtype=self.dtype, device=span.device)
+        return out.set_(span.untyped_storage(), offset, self.size, self.stride)
+
+
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that ``tensor`` can touch."""
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    if tensor.numel() == 0:
+        return start, start
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + extent * itemsize
+
+
+def copy_span(start: int, end: int, storage_nbytes: int) -> tuple[int, int]:
+    """The span to copy for a tensor at ``[start, end)``: the whole storage unless the tensor uses under half.
+
+    Copying the whole storage lets every other tensor saved from it (q/k/v of one projection, chunks, views)
+    reuse the copy; a small slice of a big storage is copied alone, its start rounded down to ``SPAN_ALIGN``.
+    """
+    if 2 * (end - start) >= storage_nbytes:
+        return 0, storage_nbytes
+    return start - start % SPAN_ALIGN, end

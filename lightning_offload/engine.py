@@ -1,0 +1,473 @@
+"""The offload engine: ``saved_tensors_hooks`` that move activations to host memory and bring them back.
+
+Data flows one way. In forward, ``pack`` asks the policy whether a saved tensor may leave the device, finds or
+creates the ``StorageCopy`` of its storage span, and returns a ``SavedView`` to autograd. Copies leave the
+resident tail (and the pacing bound) in save order and go device -> host on a copy stream into pooled host
+buffers. In backward, ``unpack`` rebuilds the tensor from its span; the first unpack of a forward seals it and
+starts prefetching host -> device in reverse save order, within a byte budget, on the other copy stream.
+
+Torch only: no Lightning import, so plain training loops can use it as a context manager.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import psutil
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_offload import policy
+from lightning_offload.copies import SavedView, State, StorageCopy, byte_span, copy_span
+from lightning_offload.host_pool import HostMemoryFull, HostPool, pool_for
+from lightning_offload.options import OffloadOptions
+from lightning_offload.stats import OffloadStats
+from lightning_offload.streams import TimingEvents, copy_streams, profiler_range
+
+# The default host limit takes this share of the RAM available when the engine first copies, split between the
+# processes of this machine (each rank has its own pool).
+_DEFAULT_HOST_SHARE = 0.8
+
+
+class OffloadEngine:
+    """Offloads saved activations while entered; rebuilds them in backward, also after the block is left.
+
+    Create it once and enter it every step: streams, the host pool and the forward profile carry over.
+    See :func:`offload_activations` for the options.
+    """
+
+    def __init__(self, options: OffloadOptions, model: torch.nn.Module | None = None) -> None:
+        self.options = options
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._params = policy.ParameterStorages()
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._stats = OffloadStats()
+        self._device: torch.device | None = None  # resolved lazily: the engine must pickle before first use
+        self._warned_host_full = False
+        self._host_limit: int | None = None
+        self._reset_state()
+
+    # ------------------------------------------------------------------ context management
+
+    def __enter__(self) -> OffloadEngine:
+        if self._hooks is not None:
+            raise RuntimeError("offload_activations(): this engine is already active; enter it once at a time")
+        self._begin_window()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks = hooks
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.uninstall()
+        if exc_type is not None:
+            self.reset()
+
+    def uninstall(self) -> None:
+        """Remove the hooks (idempotent). Tensors already saved can still be unpacked."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    @property
+    def installed(self) -> bool:
+        return self._hooks is not None
+
+    def refresh_parameters(self, tensors: Any = None) -> None:
+        """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``)."""
+        if tensors is None:
+            model = self._model_ref() if self._model_ref is not None else None
+            tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+        self._params.update(tensors)
+
+    def reset(self) -> None:
+        """Drop everything held for the current step: after an exception, nothing may leak into the next one.
+
+        Host buffers of copies that the (failed) graph still references go back to the pool; unpacking such a
+        tensor later raises a clear error instead of reading reused memory.
+        """
+        self.uninstall()
+        if self._device is not None and self._device.type == "cuda":
+            d2h, h2d = copy_streams(self._device)
+            d2h.synchronize()
+            h2d.synchronize()
+        for ref in self._all_copies:
+            copy = ref()
+            if copy is not None:
+                copy.state = State.DROPPED
+                copy.src = copy.device = None
+                copy.drop_host()
+        self._stall_timer.discard()
+        self._d2h_timer.discard()
+        self._h2d_timer.discard()
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._by_storage: dict[int, list[weakref.ref[StorageCopy]]] = {}
+        self._pending: deque[StorageCopy] = deque()  # saved, not yet offloaded, in save order
+        self._segment: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward, in save order
+        self._segment_open = False
+        self._saved_pos = 0  # eligible bytes saved so far in the open forward
+        self._profile_total: int | None = None  # eligible bytes of the previous forward
+        self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor]] = deque()  # d2h copies and sources
+        self._inflight_bytes = 0
+        self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
+        self._prefetched: deque[tuple[weakref.ref[StorageCopy], int]] = deque()
+        self._prefetched_bytes = 0
+        self._all_copies: list[weakref.ref[StorageCopy]] = []
+        self._stall_timer = TimingEvents()
+        self._d2h_timer = TimingEvents()
+        self._h2d_timer = TimingEvents()
+
+    def _begin_window(self) -> None:
+        if self._device is None:
+            self._device = self.options.resolved_device()
+            self._cuda = self._device.type == "cuda"
+            self._pool: HostPool = pool_for(self._device)
+            if self._cuda:
+                self._d2h, self._h2d = copy_streams(self._device)
+        self._finish_timers()
+        self._stats = OffloadStats()
+        self._allocations_at_start = self._pool.allocations
+        self.refresh_parameters()
+        self._seal()
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def stats(self) -> OffloadStats:
+        """Counters of the latest window (reading it waits for the timing events of that window)."""
+        self._finish_timers()
+        if self._device is not None:
+            self._stats.host_bytes_held = self._pool.in_use_bytes
+            self._stats.host_pinned_bytes = self._pool.reserved_bytes
+            self._stats.host_allocations = self._pool.allocations - self._allocations_at_start
+        return self._stats
+
+    def _finish_timers(self) -> None:
+        if self._device is None or not self._cuda:
+            return
+        self._stats.stall_ms += self._stall_timer.collect_ms()
+        self._stats.d2h_ms += self._d2h_timer.collect_ms()
+        self._stats.h2d_ms += self._h2d_timer.collect_ms()
+
+    def host_limit(self) -> int:
+        """Bytes the host pool may hold: ``host_memory_limit``, or a share of the RAM available at first use."""
+        if self._host_limit is None:
+            limit = self.options.host_memory_limit
+            if limit is None:
+                ranks = max(1, int(_env_int("LOCAL_WORLD_SIZE", 1)))
+                available = psutil.virtual_memory().available
+                limit = self._pool.reserved_bytes + int(available * _DEFAULT_HOST_SHARE / ranks)
+            self._host_limit = limit
+        return self._host_limit
+
+    # ------------------------------------------------------------------ forward: pack
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        stats = self._stats
+        stats.saved_tensors += 1
+        if not self._eligible(tensor):
+            return tensor
+        start, end = byte_span(tensor)
+        storage = tensor.untyped_storage()
+        lo, hi = copy_span(start, end, storage.nbytes())
+        if hi - lo < self.options.min_tensor_bytes:
+            return tensor
+        if self.options.mode == "off":
+            stats.eligible_bytes += end - start
+            return tensor
+        self._segment_open = True
+        ref = StorageWeakRef(storage)
+        version = tensor._version
+        copy = self._find_copy(ref.cdata, start, end, version)
+        if copy is None:
+            stream = torch.cuda.current_stream(self._device) if self._cuda else None
+            copy = StorageCopy(tensor, ref, lo, hi, stream)
+            self._by_storage.setdefault(ref.cdata, []).append(weakref.ref(copy))
+            self._all_copies.append(weakref.ref(copy))
+            self._saved_pos += copy.nbytes
+            copy.end_pos = self._saved_pos
+            stats.eligible_bytes += copy.nbytes
+            view = SavedView(copy, tensor, start)
+            self._pending.append(copy)
+            self._release_pending()
+            return view
+        if copy.state is State.OFFLOADED:
+            stats.offloaded_tensors += 1  # served by a copy already on its way to the host
+        return SavedView(copy, tensor, start)
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        if tensor.device != self._device or not policy.plain_dense(tensor):
+            return False
+        if policy.offload_suppressed() or policy.backward_running():
+            return False
+        if policy.is_parameter_like(tensor):
+            return False
+        return StorageWeakRef(tensor.untyped_storage()).cdata not in self._params if len(self._params) else True
+
+    def _find_copy(self, key: int, start: int, end: int, version: int) -> StorageCopy | None:
+        for ref in self._by_storage.get(key, ()):
+            copy = ref()
+            if copy is not None and copy.covers(start, end, version):
+                return copy
+        return None
+
+    def _release_pending(self) -> None:
+        """Offload pending copies, oldest first, that have left the resident tail, while the link keeps up."""
+        self._retire_inflight()
+        tail = self.options.resident_tail_bytes
+        cap = self.options.max_inflight_bytes
+        # From the second forward on, the previous forward's size says which copies will end up outside the
+        # tail, so they go at once instead of waiting for ``tail`` more bytes to be saved after them.
+        cutoff = (self._profile_total - tail) if self._profile_total is not None else -1
+        while self._pending:
+            copy = self._pending[0]
+            if self._saved_pos - copy.end_pos < tail and copy.end_pos > cutoff:
+                return
+            if cap is not None and self._inflight_bytes and self._inflight_bytes + copy.nbytes > cap:
+                return
+            self._pending.popleft()
+            self._offload(copy)
+
+    def _offload(self, copy: StorageCopy) -> None:
+        try:
+            host, ready = self._pool.acquire(copy.nbytes, self.host_limit())
+        except HostMemoryFull as err:
+            if self.options.on_host_full == "error":
+                raise
+            if not self._warned_host_full:
+                self._warned_host_full = True
+                warnings.warn(f"{err} Keeping the remaining tensors on the device.", RuntimeWarning, stacklevel=3)
+            copy.state = State.RESIDENT
+            self._stats.resident_bytes += copy.nbytes
+            return
+        src = copy.src
+        assert src is not None
+        target = host[: copy.nbytes]
+        with profiler_range("offload::d2h"):
+            if self.options.mode == "streamed" and self._cuda:
+                d2h = self._d2h
+                d2h.wait_stream(copy.producer)  # the source is complete once its producer got this far
+                if ready is not None:
+                    d2h.wait_event(ready)  # the buffer's previous copy has finished with it
+                timing = self._d2h_timer.start(d2h) if self.options.measure_copies else None
+                with torch.cuda.stream(d2h):
+                    target.copy_(src, non_blocking=True)
+                done = d2h.record_event()
+                if timing is not None:
+                    timing[1].record(d2h)
+                # The source stays referenced until its copy is done: the allocator cannot hand its memory to
+                # new tensors while the copy stream still reads it, and nobody waits on the host for that.
+                self._inflight.append((done, copy.nbytes, src))
+                self._inflight_bytes += copy.nbytes
+                copy.d2h_done = copy.last_use = done
+            else:
+                target.copy_(src)
+        copy.src = None
+        copy.host, copy.pool = host, self._pool
+        copy.state = State.OFFLOADED
+        self._segment.append(weakref.ref(copy))
+        self._stats.offloaded_bytes += copy.nbytes
+        self._stats.offloaded_tensors += copy.views_left
+
+    def _retire_inflight(self) -> None:
+        inflight = self._inflight
+        while inflight and inflight[0][0].query():
+            _, nbytes, _ = inflight.popleft()
+            self._inflight_bytes -= nbytes
+
+    # ------------------------------------------------------------------ backward: unpack and prefetch
+
+    def _seal(self) -> None:
+        """End the open forward: the pending tail stays resident, and its offloaded copies queue for prefetch."""
+        if not self._segment_open:
+            return
+        self._segment_open = False
+        for copy in self._pending:
+            copy.state = State.RESIDENT
+            self._stats.resident_bytes += copy.nbytes
+        self._pending.clear()
+        self._profile_total = self._saved_pos
+        self._saved_pos = 0
+        # Backward needs the last-saved tensors first; prefetch walks the forward backwards.
+        self._fetch_queue = self._segment + self._fetch_queue
+        self._segment = []
+        self._by_storage = {}
+        self._all_copies = [ref for ref in self._all_copies if ref() is not None]
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        return self._restore(saved)
+
+    def _restore(self, view: SavedView) -> torch.Tensor:
+        copy = view.copy
+        if copy.state is State.DROPPED:
+            raise RuntimeError(
+                "lightning_offload: this saved tensor was released because the step that saved it raised an "
+                "exception; run forward again before calling backward"
+            )
+        self._seal()
+        if copy.state is not State.OFFLOADED:
+            return view.rebuild(copy.src)  # type: ignore[arg-type]
+        consumer = torch.cuda.current_stream(self._device) if self._cuda else None
+        span = copy.device
+        if span is None:
+            span = self._fetch(copy, on_demand=True)
+        if consumer is not None and self.options.mode == "streamed":
+            done = copy.h2d_done
+            assert done is not None
+            if not done.query():
+                begin, end = self._stall_timer.start(consumer)
+                consumer.wait_event(done)
+                end.record(consumer)
+            else:
+                consumer.wait_event(done)
+        out = view.rebuild(span)
+        if view.first:
+            view.first = False
+            copy.views_left -= 1
+            if copy.views_left <= 0:
+                # Autograd now holds what it needs; a second backward (retain_graph) fetches from host again.
+                copy.device = None
+        self._prefetch()
+        return out
+
+    def _fetch(self, copy: StorageCopy, on_demand: bool) -> torch.Tensor:
+        assert copy.host is not None
+        source = copy.host[: copy.nbytes]
+        with profiler_range("offload::h2d"):
+            span = torch.empty(copy.nbytes, dtype=torch.uint8, device=self._device)
+            if self.options.mode == "streamed" and self._cuda:
+                h2d = self._h2d
+                # ``span`` was allocated on the compute stream; its block may still be read by kernels queued
+                # there, and the host bytes may still be arriving from the device -> host stream.
+                h2d.wait_stream(torch.cuda.current_stream(self._device))
+                if copy.d2h_done is not None:
+                    h2d.wait_event(copy.d2h_done)
+                timing = self._h2d_timer.start(h2d) if self.options.measure_copies else None
+                with torch.cuda.stream(h2d):
+                    span.copy_(source, non_blocking=True)
+                done = h2d.record_event()
+                if timing is not None:
+                    timing[1].record(h2d)
+                # If the graph is dropped before backward uses it, the allocator must not reuse the block while
+                # the copy into it is still pending.
+                span.record_stream(h2d)
+                copy.h2d_done = copy.last_use = done
+            else:
+                span.copy_(source)
+        copy.device = span
+        if on_demand:
+            self._stats.fetched_on_demand_bytes += copy.nbytes
+        else:
+            self._stats.prefetched_bytes += copy.nbytes
+        return span
+
+    def _prefetch(self) -> None:
+        """Keep up to ``prefetch_bytes`` fetched ahead of backward, walking the forward in reverse."""
+        if self.options.mode != "streamed" or not self._cuda:
+            return
+        budget = self.options.prefetch_bytes
+        prefetched = self._prefetched
+        while prefetched:
+            ref, nbytes = prefetched[0]
+            copy = ref()
+            if copy is not None and copy.device is not None and copy.views_left > 0:
+                break
+            prefetched.popleft()
+            self._prefetched_bytes -= nbytes
+        queue = self._fetch_queue
+        while queue and self._prefetched_bytes < budget:
+            ref = queue.pop()
+            copy = ref()
+            if copy is None or copy.state is not State.OFFLOADED or copy.device is not None:
+                continue
+            if self._prefetched_bytes and self._prefetched_bytes + copy.nbytes > budget:
+                queue.append(ref)
+                break
+            self._fetch(copy, on_demand=False)
+            prefetched.append((ref, copy.nbytes))
+            self._prefetched_bytes += copy.nbytes
+
+
+def _env_int(name: str, default: int) -> int:
+    import os
+
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def offload_activations(
+    mode: str = "streamed",
+    compute_device: str | torch.device | None = None,
+    min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
+    resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
+    max_inflight_bytes: int | None = None,
+    prefetch_bytes: int = OffloadOptions.prefetch_bytes,
+    host_memory_limit: int | None = None,
+    on_host_full: str = "warn",
+    measure_copies: bool = False,
+    model: torch.nn.Module | None = None,
+) -> OffloadEngine:
+    """Offload the activations autograd saves inside the ``with`` block to host memory.
+
+    Example::
+
+        off = offload_activations()          # create once: the pinned pool and streams are reused
+        for x in batches:
+            with off:
+                loss = model(x).sum()
+            loss.backward()
+            print(off.stats.offloaded_bytes)
+
+    Args:
+        mode: ``"streamed"`` overlaps copies with compute on two copy streams and prefetches in backward;
+            ``"sync"`` copies on the compute stream when a tensor is saved and when backward needs it (simple,
+            for debugging); ``"off"`` offloads nothing and only counts what would be offloaded.
+        compute_device: the device whose tensors are offloaded. ``None``: the current CUDA device. ``"cpu"``
+            treats CPU tensors as offloadable (copied to separate host buffers) so the bookkeeping runs without
+            a GPU.
+        min_tensor_bytes: storage spans smaller than this stay on the device (default 1 MiB: smaller copies
+            are dominated by fixed costs and free almost nothing).
+        resident_tail_bytes: a tensor leaves the device only once this many bytes were saved after it in the
+            same forward, so the last tensors of forward (logits, loss), needed first by backward, stay.
+        max_inflight_bytes: pacing. With a value, a tensor is offloaded only while the device -> host copies
+            still running total at most this much; what the link cannot absorb stays on the device. ``None``:
+            offload every eligible tensor.
+        prefetch_bytes: how far ahead of backward host -> device copies may run.
+        host_memory_limit: the most host memory the pool may hold, in bytes. ``None``: 80% of the RAM
+            available at first use, divided by ``LOCAL_WORLD_SIZE``.
+        on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors
+            on the device and warns once; ``"error"`` raises :class:`~lightning_offload.HostMemoryFull`.
+        measure_copies: time every copy (``stats.d2h_ms``/``h2d_ms``); costs two events per copy.
+        model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts
+            are recognised without it; buffers only with it.
+
+    Returns:
+        An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block.
+    """
+    options = OffloadOptions.create(
+        "offload_activations",
+        mode=mode,
+        compute_device=compute_device,
+        min_tensor_bytes=min_tensor_bytes,
+        resident_tail_bytes=resident_tail_bytes,
+        max_inflight_bytes=max_inflight_bytes,
+        prefetch_bytes=prefetch_bytes,
+        host_memory_limit=host_memory_limit,
+        on_host_full=on_host_full,
+        measure_copies=measure_copies,
+    )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
+    return OffloadEngine(options, model=model)

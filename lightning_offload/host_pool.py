@@ -1,0 +1,175 @@
+"""A pool of host buffers reused across steps, so the steady state allocates (and pins) nothing.
+
+Pinning host memory costs ~0.4 s/GiB and can synchronize the device, so buffers are kept for the life of the
+process and handed out again by size class. A buffer comes back with the event of the last copy that touched it;
+the next user makes its copy stream wait on that event (a device-side wait, never a host synchronization).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from lightning_offload.options import GiB
+
+# Size classes: 8 per power of two (so at most 12.5% of a buffer is padding), never below 64 KiB.
+_MIN_CLASS = 64 << 10
+_STEPS_PER_OCTAVE = 8
+# Host RAM the pool never takes, so the rest of the process (and the OS) can still allocate.
+_RAM_HEADROOM_FRACTION = 0.10
+_RAM_HEADROOM_MAX = 8 * GiB
+
+
+def size_class(nbytes: int) -> int:
+    """Round ``nbytes`` up to its pool size class."""
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    top = 1 << (nbytes - 1).bit_length()
+    step = top // (2 * _STEPS_PER_OCTAVE)
+    return -(-nbytes // step) * step
+
+
+class HostMemoryFull(RuntimeError):
+    """Raised when a host buffer would exceed the pool's limit or the machine's free RAM."""
+
+    def __init__(self, needed: int, held: int, limit: int, available: int) -> None:
+        self.needed, self.held, self.limit, self.available = needed, held, limit, available
+        super().__init__(
+            f"offloading needs {needed / GiB:.2f} GiB more host memory; the pool holds {held / GiB:.2f} GiB, "
+            f"its limit is host_memory_limit={limit / GiB:.2f} GiB and the machine has {available / GiB:.2f} GiB "
+            "of RAM available. Raise host_memory_limit (if RAM allows), offload less (resident_tail_bytes, "
+            "min_tensor_bytes, max_inflight_bytes), or pass on_host_full='warn' to keep such tensors on the GPU."
+        )
+
+
+@dataclass
+class _Free:
+    buffer: torch.Tensor
+    ready: torch.cuda.Event | None  # the last copy that used the buffer; None when nothing is pending
+
+
+class HostPool:
+    """Host buffers by size class, pinned when the compute device is CUDA.
+
+    Args:
+        pinned: allocate page-locked memory (CUDA) or plain memory (CPU test mode).
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._free: dict[int, list[_Free]] = {}
+        self._lock = threading.Lock()
+        self._registered: list[torch.Tensor] = []
+        self.reserved_bytes = 0  # every buffer the pool owns
+        self.in_use_bytes = 0  # buffers handed out and not yet given back
+        self.allocations = 0  # buffers ever allocated: flat in steady state
+
+    def acquire(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A buffer of at least ``nbytes`` bytes and the event to wait on before writing it.
+
+        Raises:
+            HostMemoryFull: a new buffer would take the pool past ``limit`` or the machine's RAM headroom.
+        """
+        cls = size_class(nbytes)
+        with self._lock:
+            bucket = self._free.get(cls)
+            if bucket:
+                item = bucket.pop()
+                self.in_use_bytes += cls
+                return item.buffer, item.ready
+            self._make_room(cls, limit)
+            self.reserved_bytes += cls
+            self.in_use_bytes += cls
+            self.allocations += 1
+        try:
+            return self._allocate(cls), None
+        except BaseException:
+            with self._lock:
+                self.reserved_bytes -= cls
+                self.in_use_bytes -= cls
+            raise
+
+    def release(self, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Give ``buffer`` back; it is reused only after ``ready`` (device-side wait)."""
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append(_Free(buffer, ready))
+            self.in_use_bytes -= buffer.numel()
+
+    def clear(self) -> None:
+        """Drop every idle buffer (after their copies finish). Buffers still in use stay with their owners."""
+        with self._lock:
+            idle = [item for bucket in self._free.values() for item in bucket]
+            self._free.clear()
+            for item in idle:
+                if item.ready is not None:
+                    item.ready.synchronize()
+                self._forget(item.buffer)
+                self.reserved_bytes -= item.buffer.numel()
+
+    def _make_room(self, nbytes: int, limit: int) -> None:
+        # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the
+        # old classes would otherwise hold the budget forever.
+        while self.reserved_bytes - self.in_use_bytes > 0 and not self._fits(nbytes, limit):
+            cls = max((c for c, b in self._free.items() if b), default=None)
+            if cls is None:
+                break
+            item = self._free[cls].pop()
+            if item.ready is not None:
+                item.ready.synchronize()
+            self._forget(item.buffer)
+            self.reserved_bytes -= cls
+        if not self._fits(nbytes, limit):
+            raise HostMemoryFull(nbytes, self.reserved_bytes, limit, psutil.virtual_memory().available)
+
+    def _fits(self, nbytes: int, limit: int) -> bool:
+        if self.reserved_bytes + nbytes > limit:
+            return False
+        memory = psutil.virtual_memory()
+        headroom = min(int(memory.total * _RAM_HEADROOM_FRACTION), _RAM_HEADROOM_MAX)
+        return memory.available - nbytes >= headroom
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if not self.pinned:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # Registering plain memory pins exactly nbytes; torch's pinned allocator would round up to a power of two
+        # (up to 2x the RAM for the same data). Fall back to it when registration is refused.
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0:
+            self._registered.append(buffer)
+            return buffer
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _forget(self, buffer: torch.Tensor) -> None:
+        for i, registered in enumerate(self._registered):
+            if registered is buffer:
+                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+                del self._registered[i]
+                return
+
+
+_POOLS: dict[str, HostPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def pool_for(device: torch.device) -> HostPool:
+    """The process-wide pool for ``device``'s type: engines entered step after step share one pool."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(device.type)
+        if pool is None:
+            pool = _POOLS[device.type] = HostPool(pinned=device.type == "cuda")
+        return pool
+
+
+def release_host_memory() -> int:
+    """Free every idle pooled host buffer; returns the bytes released."""
+    released = 0
+    with _POOLS_LOCK:
+        for pool in _POOLS.values():
+            before = pool.reserved_bytes
+            pool.clear()
+            released += before - pool.reserved_bytes
+    return released

@@ -1,0 +1,98 @@
+"""The options shared by :func:`offload_activations` and :class:`ActivationOffloadCallback`, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+import torch
+
+Mode = Literal["streamed", "sync", "off"]
+OnHostFull = Literal["warn", "error"]
+
+MODES: tuple[str, ...] = get_args(Mode)
+ON_HOST_FULL: tuple[str, ...] = get_args(OnHostFull)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Below ~1 MiB a PCIe copy is dominated by its fixed cost (launch + event bookkeeping, ~5-10 us), so it moves less
+# than half the bytes the link could in that time, and the Python work per tensor in the hooks (~10 us) starts to
+# rival the copy itself. Transformer activations are far larger (seq x hidden x 2 bytes = 16 MiB at 4k x 2k), so
+# the threshold drops only masks, norms' statistics and other small tensors that free almost nothing.
+DEFAULT_MIN_TENSOR_BYTES = 1 * MiB
+# Tensors saved last in forward are needed first in backward; offloading them buys a round trip with nothing to
+# hide it. 256 MiB is a few hundred microseconds of backward compute for the models this targets.
+DEFAULT_RESIDENT_TAIL_BYTES = 256 * MiB
+# Prefetch at most this much ahead of backward: about two decoder layers of a 1-8B model at 4-8k tokens.
+DEFAULT_PREFETCH_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Validated offloading options. See :func:`lightning_offload.offload_activations` for their meaning."""
+
+    mode: Mode = "streamed"
+    compute_device: torch.device | None = None
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
+    resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES
+    max_inflight_bytes: int | None = None
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
+    host_memory_limit: int | None = None
+    on_host_full: OnHostFull = "warn"
+    measure_copies: bool = False
+
+    @classmethod
+    def create(cls, caller: str, **kwargs: Any) -> OffloadOptions:
+        """Validate ``kwargs`` and return the options; ``caller`` names the call in error messages."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{caller}() got unexpected argument(s) {unknown}; allowed: {sorted(known)}")
+        mode = kwargs.get("mode", "streamed")
+        if mode not in MODES:
+            raise ValueError(f"{caller}(mode={mode!r}): mode must be one of {list(MODES)}")
+        on_host_full = kwargs.get("on_host_full", "warn")
+        if on_host_full not in ON_HOST_FULL:
+            raise ValueError(f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}")
+        for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
+            if name in kwargs:
+                _check_bytes(caller, name, kwargs[name], allow_none=False)
+        for name in ("max_inflight_bytes", "host_memory_limit"):
+            if name in kwargs:
+                _check_bytes(caller, name, kwargs[name], allow_none=True)
+        measure = kwargs.get("measure_copies", False)
+        if not isinstance(measure, bool):
+            raise TypeError(f"{caller}(measure_copies={measure!r}): measure_copies must be True or False")
+        kwargs["compute_device"] = _parse_device(caller, kwargs.get("compute_device"))
+        return cls(**kwargs)
+
+    def resolved_device(self) -> torch.device:
+        """The compute device: the option if given, else the current CUDA device, else the CPU."""
+        if self.compute_device is not None:
+            return self.compute_device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        allowed = "a byte count >= 0" + (" or None" if allow_none else "")
+        raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
+
+
+def _parse_device(caller: str, value: Any) -> torch.device | None:
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{caller}(compute_device={value!r}): expected 'cuda', 'cuda:N', 'cpu' or None") from err
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{caller}(compute_device={value!r}): expected 'cuda', 'cuda:N', 'cpu' or None")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

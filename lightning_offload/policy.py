@@ -1,0 +1,96 @@
+"""What may be offloaded: the eligibility rules, applied to every tensor autograd saves, and ``no_offload``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_local = threading.local()
+
+
+@contextmanager
+def no_offload() -> Iterator[None]:
+    """Keep every tensor saved inside this block on its device, whatever offloading is active.
+
+    Example::
+
+        with offload_activations():
+            h = body(x)
+            with no_offload():
+                loss = head(h)  # saved tensors stay on the GPU
+    """
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def offload_suppressed() -> bool:
+    """Whether the calling thread is inside :func:`no_offload`."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def backward_running() -> bool:
+    """Whether autograd's backward is executing now (checkpoint recompute, double backward).
+
+    Tensors saved then are needed again within microseconds, so offloading them only adds a round trip.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParameterStorages:
+    """The storages of a model's parameters and buffers, held by weak reference.
+
+    Parameters are saved for backward directly and through views, transposes and casts; a view shares the
+    parameter's storage, so identity of the (live) storage catches every one of them. Weak references key on
+    the storage object itself, not its address, so a freed storage can never be confused with a new one.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor] = ()) -> None:
+        self._keys: set[int] = set()
+        self._refs: list[StorageWeakRef] = []
+        self.update(tensors)
+
+    def update(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Replace the set with the storages of ``tensors`` (called per step: FSDP and others swap storages)."""
+        refs = [StorageWeakRef(t.untyped_storage()) for t in tensors if _has_storage(t)]
+        self._refs = refs
+        self._keys = {ref.cdata for ref in refs}
+
+    def __contains__(self, storage_key: int) -> bool:
+        return storage_key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
+
+
+def is_parameter_like(tensor: torch.Tensor) -> bool:
+    """Parameters, their views and their casts, recognisable without knowing the model.
+
+    A leaf that requires grad is a parameter (or an input the caller holds anyway: moving it frees nothing);
+    a view keeps its root in ``_base``; an autocast copy of a weight is a ``ToCopyBackward0`` whose next node
+    accumulates into a leaf.
+    """
+    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return True
+    node = tensor.grad_fn if base is None else base.grad_fn
+    if node is not None and node.name() == "ToCopyBackward0":
+        return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in node.next_functions if nxt is not None)
+    return False
+
+
+def plain_dense(tensor: torch.Tensor) -> bool:
+    """Plain strided tensors only: subclasses (DTensor, fake and functional tensors) and sparse ones stay put."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_nested
