@@ -74,6 +74,8 @@ class OffloadEngine:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        if self._device is not None and self._cuda:
+            self._retire_inflight()  # finished copies let go of their sources now, not at the next step
 
     @property
     def installed(self) -> bool:
@@ -132,7 +134,7 @@ class OffloadEngine:
             self._pool: HostPool = pool_for(self._device)
             if self._cuda:
                 self._d2h, self._h2d = copy_streams(self._device)
-        self._finish_timers()
+        self._finish_timers(wait=False)  # leftovers of older windows; never a host sync on the step path
         self._stats = OffloadStats()
         self._allocations_at_start = self._pool.allocations
         self.refresh_parameters()
@@ -143,19 +145,23 @@ class OffloadEngine:
     @property
     def stats(self) -> OffloadStats:
         """Counters of the latest window (reading it waits for the timing events of that window)."""
-        self._finish_timers()
+        return self.collect_stats(wait=True)
+
+    def collect_stats(self, wait: bool) -> OffloadStats:
+        """Counters of the latest window; with ``wait=False`` timings still running are left for a later read."""
+        self._finish_timers(wait)
         if self._device is not None:
             self._stats.host_bytes_held = self._pool.in_use_bytes
             self._stats.host_pinned_bytes = self._pool.reserved_bytes
             self._stats.host_allocations = self._pool.allocations - self._allocations_at_start
         return self._stats
 
-    def _finish_timers(self) -> None:
+    def _finish_timers(self, wait: bool = True) -> None:
         if self._device is None or not self._cuda:
             return
-        self._stats.stall_ms += self._stall_timer.collect_ms()
-        self._stats.d2h_ms += self._d2h_timer.collect_ms()
-        self._stats.h2d_ms += self._h2d_timer.collect_ms()
+        self._stats.stall_ms += self._stall_timer.collect_ms(wait)
+        self._stats.d2h_ms += self._d2h_timer.collect_ms(wait)
+        self._stats.h2d_ms += self._h2d_timer.collect_ms(wait)
 
     def host_limit(self) -> int:
         """Bytes the host pool may hold: ``host_memory_limit``, or a share of the RAM available at first use."""
@@ -325,7 +331,7 @@ class OffloadEngine:
             done = copy.h2d_done
             assert done is not None
             if not done.query():
-                begin, end = self._stall_timer.start(consumer)
+                _, end = self._stall_timer.start(consumer)
                 consumer.wait_event(done)
                 end.record(consumer)
             else:

@@ -54,7 +54,9 @@ class OffloadOptions:
             raise ValueError(f"{caller}(mode={mode!r}): mode must be one of {list(MODES)}")
         on_host_full = kwargs.get("on_host_full", "warn")
         if on_host_full not in ON_HOST_FULL:
-            raise ValueError(f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}")
+            raise ValueError(
+                f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}"
+            )
         for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=False)

@@ -38,19 +38,30 @@ class TimingEvents:
         self._recorded: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def start(self, stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        pair = self._idle.pop() if self._idle else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        if self._idle:
+            pair = self._idle.pop()
+        else:
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         pair[0].record(stream)
         self._recorded.append(pair)
         return pair
 
-    def collect_ms(self) -> float:
-        """Sum of the recorded intervals (waits for them to complete), then recycle the events."""
+    def collect_ms(self, wait: bool = True) -> float:
+        """Sum of the recorded intervals, then recycle their events.
+
+        Args:
+            wait: wait for intervals still running; ``False`` takes only the finished ones (no host sync).
+        """
         total = 0.0
+        pending = []
         for begin, end in self._recorded:
+            if not wait and not end.query():
+                pending.append((begin, end))
+                continue
             end.synchronize()
             total += begin.elapsed_time(end)
-        self._idle.extend(self._recorded)
-        self._recorded = []
+            self._idle.append((begin, end))
+        self._recorded = pending
         return total
 
     def discard(self) -> None:

@@ -1,0 +1,240 @@
+"""``ActivationOffloadCallback``: activation offloading for any LightningModule, without code changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.host_pool import release_host_memory
+from lightning_offload.options import (
+    DEFAULT_MIN_TENSOR_BYTES,
+    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_RESIDENT_TAIL_BYTES,
+    GiB,
+    Mode,
+    OffloadOptions,
+    OnHostFull,
+)
+from lightning_offload.stats import OffloadStats
+
+
+class ActivationOffloadCallback(Callback):
+    r"""Move the activations autograd saves in ``training_step`` to host memory, and back in backward.
+
+    Gradients are unchanged: tensors are copied bit for bit. Hooks are installed in ``on_train_batch_start`` and
+    removed after backward (or, when a batch may run forward again after a backward — LBFGS closures, manual
+    optimization — in ``on_train_batch_end``), and always in ``on_train_batch_end``, ``on_train_epoch_end``,
+    ``on_exception`` and ``teardown``. Streams and the pinned pool are created lazily, so the callback pickles
+    (``ddp_spawn``).
+
+    Example::
+
+        trainer = Trainer(callbacks=[ActivationOffloadCallback()])
+
+    Args:
+        mode: ``"streamed"`` (copies overlap compute on two copy streams, backward prefetches), ``"sync"``
+            (copy when saved and when needed; for debugging), or ``"off"`` (offload nothing; log what would
+            be offloaded and the memory figures).
+        compute_device: the device whose activations are offloaded. ``None``: the module's device when it is
+            CUDA; otherwise the callback warns once and does nothing. ``"cpu"`` runs the engine on CPU tensors
+            (for tests).
+        min_tensor_bytes: saved tensors smaller than this stay on the device.
+        resident_tail_bytes: the most recently saved bytes of each forward stay on the device (they are needed
+            first in backward).
+        max_inflight_bytes: pacing: offload a tensor only while the pending device-to-host copies total at most
+            this many bytes, so offloading never outruns the link. ``None``: offload everything eligible.
+        prefetch_bytes: how far ahead of backward host-to-device copies may run.
+        host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
+            by the processes on this machine.
+        on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``
+            raises ``HostMemoryFull``.
+        measure_copies: time every copy, to log achieved bandwidth.
+
+    Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
+        ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
+        micro-batches of an accumulation window), in GiB.
+        ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
+        ``offload/offloaded_gib``: bytes copied to host memory in the latest batch, in GiB.
+        ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
+        ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
+        copies in the latest batch, in milliseconds.
+        ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "streamed",
+        compute_device: str | None = None,
+        min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+        resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES,
+        max_inflight_bytes: int | None = None,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        host_memory_limit: int | None = None,
+        on_host_full: OnHostFull = "warn",
+        measure_copies: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = OffloadOptions.create(
+            "ActivationOffloadCallback",
+            mode=mode,
+            compute_device=compute_device,
+            min_tensor_bytes=min_tensor_bytes,
+            resident_tail_bytes=resident_tail_bytes,
+            max_inflight_bytes=max_inflight_bytes,
+            prefetch_bytes=prefetch_bytes,
+            host_memory_limit=host_memory_limit,
+            on_host_full=on_host_full,
+            measure_copies=measure_copies,
+        )
+        self._engine: OffloadEngine | None = None
+        self._active = False
+        self._leave_after_backward = True
+        self._stepped = False  # an optimizer step ran in this batch
+        self._reset_peaks = True  # the next batch opens a new optimizer step (accumulation window)
+        self._last_stats = OffloadStats()
+
+    @property
+    def stats(self) -> OffloadStats:
+        """What the latest training batch offloaded."""
+        return self._last_stats
+
+    @property
+    def engine(self) -> OffloadEngine | None:
+        """The engine, once ``setup`` has run on a device that offloads."""
+        return self._engine
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.options.mode)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_engine"] = None  # streams, events and host buffers do not cross processes
+        return state
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+        if len(ours) > 1:
+            raise RuntimeError(
+                f"Trainer(callbacks=[...]) holds {len(ours)} ActivationOffloadCallback instances. Saved-tensor hooks "
+                "stack and only the innermost would run; pass a single ActivationOffloadCallback."
+            )
+        if stage != "fit":
+            return
+        options = self.options
+        device = options.compute_device
+        if device is None:
+            device = pl_module.device
+            if device.type != "cuda":
+                rank_zero_warn(
+                    f"ActivationOffloadCallback: the model runs on {device.type!r}, not CUDA; activations stay where "
+                    "they are and the callback does nothing. (Pass compute_device='cpu' to exercise it on the CPU.)"
+                )
+                self._active = False
+                return
+            options = OffloadOptions(**{**options.__dict__, "compute_device": device})
+        self._engine = OffloadEngine(options, model=pl_module)
+        self._active = True
+        optimizers = trainer.optimizers or []
+        # A batch that runs forward again after a backward (LBFGS calls its closure repeatedly; manual optimization
+        # may call backward several times) keeps the hooks until the batch ends.
+        self._leave_after_backward = pl_module.automatic_optimization and not any(
+            isinstance(opt, torch.optim.LBFGS) for opt in optimizers
+        )
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self._engine
+        if not self._active or engine is None:
+            return
+        device = self._cuda_device()
+        if device is not None and self._reset_peaks:
+            torch.cuda.reset_peak_memory_stats(device)
+        self._reset_peaks = False
+        if not engine.installed:
+            engine.__enter__()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is not None and self._leave_after_backward:
+            self._engine.uninstall()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._stepped = True
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self._engine
+        if not self._active or engine is None:
+            return
+        engine.uninstall()
+        self._log(trainer, pl_module, engine)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is not None:
+            self._engine.uninstall()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._engine is not None:
+            self._engine.reset()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.reset()
+            self._engine = None
+            release_host_memory()
+        self._active = False
+
+    def _cuda_device(self) -> torch.device | None:
+        engine = self._engine
+        if engine is None or engine._device is None or engine._device.type != "cuda":
+            return None
+        return engine._device
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
+        # Peaks cover a whole optimizer step, across the micro-batches of an accumulation window.
+        stepped = self._stepped or not pl_module.automatic_optimization
+        self._reset_peaks = stepped
+        self._stepped = False
+        # Timing events are waited for only when the logger writes: anything else would sync every step.
+        will_log = _will_log(trainer)
+        stats = engine.collect_stats(wait=will_log)
+        self._last_stats = stats
+        if not will_log:
+            return
+        metrics: dict[str, float] = {}
+        device = self._cuda_device()
+        if stepped and device is not None:
+            metrics["offload/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+            metrics["offload/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB
+        metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
+        metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
+        if self.options.mode == "streamed" and device is not None:
+            metrics["offload/stall_ms"] = stats.stall_ms
+        if self.options.measure_copies and device is not None:
+            metrics["offload/d2h_gbps"] = stats.d2h_gbps()
+            metrics["offload/h2d_gbps"] = stats.h2d_gbps()
+        for key, value in metrics.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
+
+
+def _will_log(trainer: pl.Trainer) -> bool:
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))
