@@ -1,0 +1,257 @@
+"""Activation checkpointing of a model's repeated blocks, without touching the model's code.
+
+Checkpointing and offloading compose: non-reentrant checkpointing saves each block's *inputs* outside its own
+``saved_tensors_hooks`` (so an enclosing :func:`~lightning_offload.offload_activations` sees exactly those inputs)
+and keeps everything saved inside the block out of reach of outer hooks (it recomputes them in backward). With
+both, only ``2 * batch * seq * hidden`` bytes per block cross the link, a copy that hides behind the block's
+compute for any realistic width.
+
+Torch only: no Lightning import.
+
+Example::
+
+    apply_checkpointing(model)          # "auto": the decoder layers of a transformer
+    with offload_activations(model=model):
+        loss = model(x).sum()
+    loss.backward()
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["apply_checkpointing", "checkpointed_modules", "find_repeated_blocks", "remove_checkpointing"]
+
+BlockSelector = str | type[nn.Module]
+
+_ALLOWED = (
+    "'auto', a class name or module qualified name (str), an nn.Module subclass, or a non-empty sequence of "
+    "class names / qualified names / nn.Module subclasses"
+)
+# Keyword arguments through which layers receive a key/value cache. A layer that appends to its cache must not run
+# twice (the backward recompute would append again and the recomputed shapes would no longer match), so under
+# checkpointing the cache is dropped, as Hugging Face's own gradient checkpointing does.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+class _CheckpointedForward:
+    """Replaces a module instance's ``forward``: runs the original forward under non-reentrant checkpointing.
+
+    A small object instead of a closure so that ``copy.deepcopy`` and ``pickle`` of the model keep working: a
+    closure would be shared by a deep copy (the copy would run the original model's forward), whereas this
+    object's ``module`` reference is remapped by ``deepcopy``'s memo.
+
+    Args:
+        module: the module whose forward this replaces.
+        original: the instance-level ``forward`` that was there before (``None``: the class's ``forward``).
+    """
+
+    def __init__(self, module: nn.Module, original: Any) -> None:
+        self.module = module
+        self.original = original
+
+    def _forward(self) -> Any:
+        if self.original is not None:
+            return self.original
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self._forward()
+        # Without gradients nothing is saved, so checkpointing would only add overhead; in eval mode the caller
+        # wants plain inference (and cache updates must happen exactly once).
+        if not (self.module.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        if not getattr(self.module, "_can_checkpoint_with_cache", False):
+            kwargs = _drop_cache(self.module, kwargs)
+        # Keyword arguments go in through ``partial``: ``checkpoint`` would otherwise swallow ones that share a name
+        # with its own options. Tensors among them (masks, rotary tables) are shared by every block and held by
+        # the model's forward anyway, so keeping them by reference costs no memory.
+        fn = functools.partial(forward, **kwargs) if kwargs else forward
+        return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _drop_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    changed = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if kwargs.get("use_cache"):
+        changed.append("use_cache")
+    if not changed:
+        return kwargs
+    kwargs = dict(kwargs)
+    for key in changed:
+        kwargs[key] = False if key == "use_cache" else None
+    _warn_cache_once(type(module).__name__, tuple(changed))
+    return kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cache_once(class_name: str, keys: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"apply_checkpointing: {class_name} was called with {list(keys)} in training; a checkpointed block runs "
+        "twice, so its key/value cache is disabled there. Pass use_cache=False when training to silence this.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The model's stack of repeated blocks: the largest ``nn.ModuleList`` whose children share one class.
+
+    "Largest" is by total parameter count, so a transformer's decoder layers win over small lists (heads, norms).
+
+    Args:
+        model: the model to search.
+
+    Returns:
+        The list's qualified name (``""`` when ``model`` itself is the list) and its children.
+
+    Raises:
+        ValueError: no non-empty ``nn.ModuleList`` with children of a single class exists.
+    """
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        children = list(module)
+        if len({type(child) for child in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, children)
+    if best is None:
+        raise ValueError(
+            f"find_repeated_blocks: {type(model).__name__} has no nn.ModuleList whose children all share one "
+            "class; pass apply_checkpointing(model, blocks=...) a class name, qualified name or nn.Module subclass"
+        )
+    return best[1], best[2]
+
+
+def apply_checkpointing(
+    model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto"
+) -> list[str]:
+    """Checkpoint the selected blocks of ``model`` (non-reentrant), by replacing each block's ``forward``.
+
+    The model's code is untouched: each selected module instance gets a ``forward`` that runs the original one
+    under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, only while the module is training and
+    gradients are enabled, so evaluation and inference run exactly as before. Applying twice wraps nothing twice.
+    A selected module nested in another selected module is left alone (checkpointing it again saves nothing).
+
+    Args:
+        model: the model to modify in place.
+        blocks: which modules to checkpoint. ``"auto"``: the children of :func:`find_repeated_blocks` (a
+            transformer's decoder layers). A ``str``: modules whose class name or qualified name equals it (a
+            qualified name of an ``nn.ModuleList`` selects its children). An ``nn.Module`` subclass: its
+            instances. A sequence of these: their union.
+
+    Returns:
+        The qualified names of the checkpointed modules (also those that were already checkpointed).
+
+    Raises:
+        ValueError: ``blocks`` is of another kind, or a selector matches no module.
+    """
+    selectors = _selectors(blocks)
+    selected: dict[int, str] = {}
+    for selector in selectors:
+        matches = _match(model, selector)
+        if not matches:
+            raise ValueError(
+                f"apply_checkpointing(blocks={blocks!r}): {selector!r} matches no module of {type(model).__name__} "
+                f"(by class name, qualified name or type); blocks must be {_ALLOWED}"
+            )
+        for name, module in matches:
+            selected.setdefault(id(module), name)
+    names = sorted(selected.values(), key=_name_order(model))
+    # Outermost wins: a checkpointed block recomputes its whole body anyway.
+    outer = [n for n in names if not any(_is_ancestor(other, n) for other in names if other != n)]
+    modules = dict(model.named_modules())
+    for name in outer:
+        _wrap(modules[name])
+    return outer
+
+
+def remove_checkpointing(model: nn.Module) -> list[str]:
+    """Undo :func:`apply_checkpointing`: every wrapped module gets its previous ``forward`` back.
+
+    Args:
+        model: the model to restore in place.
+
+    Returns:
+        The qualified names of the modules restored.
+    """
+    restored = []
+    for name, module in model.named_modules():
+        wrapper = module.__dict__.get("forward")
+        if isinstance(wrapper, _CheckpointedForward):
+            if wrapper.original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = wrapper.original
+            restored.append(name)
+    return restored
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """The qualified names of the modules of ``model`` that :func:`apply_checkpointing` wrapped."""
+    return [
+        name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)
+    ]
+
+
+def _wrap(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        return
+    # Set through ``__dict__``: ``nn.Module.__setattr__`` has no business with a plain callable, and this also
+    # works for modules that override ``__setattr__``.
+    module.__dict__["forward"] = _CheckpointedForward(module, current)
+
+
+def _selectors(blocks: Any) -> list[BlockSelector]:
+    def valid(item: Any) -> bool:
+        return (isinstance(item, str) and item != "") or (isinstance(item, type) and issubclass(item, nn.Module))
+
+    if isinstance(blocks, str) or isinstance(blocks, type):
+        if valid(blocks):
+            return [blocks]
+    elif isinstance(blocks, Sequence) and len(blocks) > 0 and all(valid(b) and b != "auto" for b in blocks):
+        return list(blocks)
+    raise ValueError(f"apply_checkpointing(blocks={blocks!r}): blocks must be {_ALLOWED}")
+
+
+def _match(model: nn.Module, selector: BlockSelector) -> list[tuple[str, nn.Module]]:
+    if selector == "auto":
+        prefix, children = find_repeated_blocks(model)
+        return [(_join(prefix, str(i)), child) for i, child in enumerate(children)]
+    matches: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(selector, type):
+            hit = isinstance(module, selector)
+        else:
+            hit = type(module).__name__ == selector or name == selector
+        if not hit:
+            continue
+        if isinstance(module, nn.ModuleList | nn.ModuleDict):
+            # Containers have no forward of their own: naming one means "its blocks".
+            matches.extend((_join(name, child_name), child) for child_name, child in module.named_children())
+        else:
+            matches.append((name, module))
+    return matches
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_ancestor(parent: str, child: str) -> bool:
+    return parent == "" or child.startswith(parent + ".")
+
+
+def _name_order(model: nn.Module) -> Any:
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return lambda name: order.get(name, len(order))

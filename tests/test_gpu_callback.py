@@ -1,0 +1,70 @@
+"""GPU tests of the callback inside a real Trainer. Skipped without CUDA; run on the H200."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_offload import ActivationOffloadCallback
+from tests.test_gpu_engine import Net
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+class TokenModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net(hidden=768, layers=4)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.net(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulate: int) -> TokenModule:
+    torch.manual_seed(0)
+    data = torch.randint(0, 4096, (8, 4, 1024))
+    module = TokenModule()
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=2,
+        precision=precision,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        logger=pl.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        deterministic=False,
+    )
+    trainer.fit(module, DataLoader(list(data), batch_size=None))
+    return module
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("mode", ["sync", "streamed"])
+def test_trainer_parameters_equal(tmp_path: Path, precision: str, mode: str) -> None:
+    """Two optimizer steps with gradient accumulation give the same parameters as without the callback."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plain = _fit(tmp_path / "plain", [], precision, accumulate=2)
+    callback = ActivationOffloadCallback(mode=mode, min_tensor_bytes=0, resident_tail_bytes=0)
+    offloaded = _fit(tmp_path / "off", [callback], precision, accumulate=2)
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert callback.stats.offloaded_bytes > 0
+    assert callback.engine is None  # torn down
+    rows = list(csv.DictReader(open(next((tmp_path / "off").rglob("metrics.csv")))))
+    keys = set().union(*(row.keys() for row in rows))
+    expected = {"offload/peak_allocated_gib", "offload/peak_reserved_gib", "offload/offloaded_gib"}
+    expected |= {"offload/host_pinned_gib"} | ({"offload/stall_ms"} if mode == "streamed" else set())
+    assert expected <= keys
