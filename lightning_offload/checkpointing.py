@@ -90,7 +90,7 @@ def _drop_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_cache_once(class_name: str, keys: tuple[str, ...]) -> None:
     warnings.warn(
         f"apply_checkpointing: {class_name} was called with {list(keys)} in training; a checkpointed block runs "
@@ -132,9 +132,7 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     return best[1], best[2]
 
 
-def apply_checkpointing(
-    model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto"
-) -> list[str]:
+def apply_checkpointing(model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto") -> list[str]:
     """Checkpoint the selected blocks of ``model`` (non-reentrant), by replacing each block's ``forward``.
 
     The model's code is untouched: each selected module instance gets a ``forward`` that runs the original one
@@ -198,9 +196,7 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """The qualified names of the modules of ``model`` that :func:`apply_checkpointing` wrapped."""
-    return [
-        name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)
-    ]
+    return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]
 
 
 def _wrap(module: nn.Module) -> None:

@@ -1,0 +1,288 @@
+"""Checkpointing of repeated blocks, and how it composes with the offload engine (CPU)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_offload import offload_activations
+from lightning_offload.checkpointing import (
+    apply_checkpointing,
+    checkpointed_modules,
+    find_repeated_blocks,
+    remove_checkpointing,
+)
+
+HIDDEN = 32
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with a causal self-attention and an MLP; takes keyword arguments like HF's."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(0.1)
+        self.calls = 0
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0, cache: list | None = None
+    ) -> torch.Tensor:
+        self.calls += 1
+        if cache is not None:
+            cache.append(x.shape[1])
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        att = (q @ k.transpose(-1, -2)) * (scale / q.shape[-1] ** 0.5)
+        if mask is not None:
+            att = att.masked_fill(mask, float("-inf"))
+        x = x + self.proj(att.softmax(-1) @ v)
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm2(x)))))
+
+
+class Toy(nn.Module):
+    """Embedding, a stack of blocks, a smaller list of norms (a decoy for auto detection) and a mixed head list."""
+
+    def __init__(self, layers: int = 3, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, HIDDEN)
+        self.layers = nn.ModuleList([Block() for _ in range(layers)])
+        self.norms = nn.ModuleList([nn.LayerNorm(HIDDEN) for _ in range(layers)])
+        self.heads = nn.ModuleList([nn.Linear(HIDDEN, vocab), nn.Sequential(nn.Linear(HIDDEN, vocab))])
+
+    def body(self, h: torch.Tensor, cache: list | None = None) -> torch.Tensor:
+        mask = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).triu(1)
+        for layer in self.layers:
+            h = layer(h, mask=mask, scale=1.0, cache=cache)
+        return h
+
+    def forward(self, ids: torch.Tensor, cache: list | None = None) -> torch.Tensor:
+        h = self.body(self.embed(ids), cache=cache)
+        return self.heads[0](self.norms[0](h))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model: Toy, ids: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    return _grads(model)
+
+
+@pytest.fixture
+def toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
+
+
+def test_find_repeated_blocks_picks_largest_uniform_list(toy: Toy) -> None:
+    name, blocks = find_repeated_blocks(toy)
+    assert name == "layers"
+    assert blocks == list(toy.layers)
+
+
+def test_find_repeated_blocks_without_candidate_raises() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+    with pytest.raises(ValueError, match=r"no nn\.ModuleList whose children all share one class"):
+        find_repeated_blocks(model)
+
+
+def test_auto_wraps_decoder_layers(toy: Toy) -> None:
+    names = apply_checkpointing(toy)
+    assert names == ["layers.0", "layers.1", "layers.2"]
+    assert checkpointed_modules(toy) == names
+
+
+def test_select_by_class_name_type_and_qualified_name(toy: Toy) -> None:
+    assert apply_checkpointing(toy, "Block") == ["layers.0", "layers.1", "layers.2"]
+    remove_checkpointing(toy)
+    assert apply_checkpointing(toy, Block) == ["layers.0", "layers.1", "layers.2"]
+    remove_checkpointing(toy)
+    assert apply_checkpointing(toy, "layers.1") == ["layers.1"]
+    remove_checkpointing(toy)
+    # A container's name means its children; a sequence is the union, in module order.
+    assert apply_checkpointing(toy, ["norms", "layers.2"]) == ["layers.2", "norms.0", "norms.1", "norms.2"]
+    remove_checkpointing(toy)
+    # Nested selections: the outermost wins.
+    assert apply_checkpointing(toy, [Block, nn.Linear]) == ["layers.0", "layers.1", "layers.2", "heads.0", "heads.1.0"]
+
+
+def test_idempotent(toy: Toy) -> None:
+    first = apply_checkpointing(toy)
+    wrapper = toy.layers[0].forward
+    assert apply_checkpointing(toy) == first
+    assert toy.layers[0].forward is wrapper
+    assert wrapper.original is None  # the second call did not wrap the wrapper
+
+
+def test_remove_restores_original(toy: Toy) -> None:
+    apply_checkpointing(toy)
+    assert remove_checkpointing(toy) == ["layers.0", "layers.1", "layers.2"]
+    assert "forward" not in toy.layers[0].__dict__
+    assert checkpointed_modules(toy) == []
+    assert remove_checkpointing(toy) == []
+
+
+def test_remove_keeps_a_previous_instance_forward(toy: Toy) -> None:
+    layer = toy.layers[0]
+    calls = []
+
+    def patched(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return Block.forward(layer, *args, **kwargs)
+
+    layer.forward = patched
+    apply_checkpointing(toy, "layers.0")
+    toy(torch.randint(0, 50, (1, 4))).sum().backward()
+    assert calls == [1, 1]  # forward, then the recompute in backward
+    remove_checkpointing(toy)
+    assert layer.forward is patched
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    ["", "NoSuchBlock", 3, None, [], ["auto"], [Block, 1], nn.Linear(2, 2), int],
+)
+def test_bad_blocks_argument(toy: Toy, blocks: object) -> None:
+    with pytest.raises(ValueError, match=r"apply_checkpointing\(blocks=") as info:
+        apply_checkpointing(toy, blocks)  # type: ignore[arg-type]
+    assert "'auto'" in str(info.value) and "nn.Module subclass" in str(info.value)
+
+
+def test_gradients_bit_identical_with_and_without_checkpointing(toy: Toy) -> None:
+    ids = torch.randint(0, 50, (2, 16))
+    reference = _step(toy, ids)
+    apply_checkpointing(toy)
+    calls_before = toy.layers[0].calls
+    checkpointed = _step(toy, ids)
+    assert toy.layers[0].calls == calls_before + 2  # forward and recompute: checkpointing really ran
+    assert reference.keys() == checkpointed.keys()
+    for name, grad in reference.items():
+        assert torch.equal(grad, checkpointed[name]), name
+
+
+def test_eval_and_no_grad_untouched(toy: Toy) -> None:
+    apply_checkpointing(toy)
+    ids = torch.randint(0, 50, (1, 8))
+    toy.eval()
+    before = toy.layers[0].calls
+    out = toy(ids)
+    out.sum().backward()
+    assert toy.layers[0].calls == before + 1  # no recompute in backward: not checkpointed in eval mode
+    assert out.grad_fn is not None
+    toy.train()
+    with torch.no_grad():
+        out = toy(ids)
+    assert out.grad_fn is None
+
+
+def test_cache_kwarg_dropped_under_checkpointing(toy: Toy) -> None:
+    apply_checkpointing(toy)
+    cache: list = []
+    with pytest.warns(UserWarning, match="cache is disabled"):
+        toy(torch.randint(0, 50, (1, 4)), cache=cache).sum().backward()
+    assert cache == []
+    toy.eval()
+    toy(torch.randint(0, 50, (1, 4)), cache=cache)
+    assert cache == [4, 4, 4]  # eval mode keeps the caller's cache
+
+
+def test_deepcopy_and_pickle_keep_their_own_module(toy: Toy) -> None:
+    apply_checkpointing(toy)
+    clone = copy.deepcopy(toy)
+    assert clone.layers[0].forward.module is clone.layers[0]
+    restored = pickle.loads(pickle.dumps(toy))
+    assert restored.layers[1].forward.module is restored.layers[1]
+    ids = torch.randint(0, 50, (1, 4))
+    before = clone.layers[0].calls
+    clone(ids).sum().backward()
+    assert clone.layers[0].calls == before + 2  # the copy checkpoints its own layer
+    restored(ids).sum().backward()
+
+
+def test_outer_offloading_sees_exactly_the_block_inputs(toy: Toy) -> None:
+    """Non-reentrant checkpointing saves each block's inputs outside its own hooks: those reach the engine.
+
+    Everything saved inside a block is held by the checkpoint's hooks (and recomputed), so the engine offloads
+    exactly one hidden state per block, and the gradients are the same as without offloading or checkpointing.
+    """
+    ids = torch.randint(0, 50, (2, 16))
+    h0 = toy.embed(ids).detach()  # the body's input: not a leaf that needs grad, so it is eligible too
+
+    def run(engine: object | None) -> dict[str, torch.Tensor]:
+        toy.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        if engine is None:
+            out = toy.body(h0)
+        else:
+            with engine:  # type: ignore[attr-defined]
+                out = toy.body(h0)
+        out.square().mean().backward()
+        return _grads(toy)
+
+    reference = run(None)
+    apply_checkpointing(toy)
+    engine = offload_activations(compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0, model=toy)
+    offloaded = run(engine)
+    for name, grad in reference.items():
+        assert torch.equal(grad, offloaded[name]), name
+    stats = engine.stats
+    block_input_bytes = len(toy.layers) * h0.nbytes
+    assert stats.offloaded_bytes == block_input_bytes
+    assert stats.eligible_bytes == block_input_bytes
+
+    # Without checkpointing the same engine sees every activation inside the blocks: many times more.
+    remove_checkpointing(toy)
+    run(engine)
+    assert engine.stats.offloaded_bytes > 5 * block_input_bytes
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_hf_llama_layers_with_kwargs() -> None:
+    """HF decoder layers take position embeddings, masks and cache arguments as keywords."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 24))
+
+    def step() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return _grads(model)
+
+    reference = step()
+    assert apply_checkpointing(model) == ["model.layers.0", "model.layers.1"]
+    checkpointed = step()
+    for name, grad in reference.items():
+        assert torch.equal(grad, checkpointed[name]), name
+    engine = offload_activations(compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0, model=model)
+    model.zero_grad(set_to_none=True)
+    with engine:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    for name, grad in reference.items():
+        assert torch.equal(grad, model.get_parameter(name).grad), name
+    assert engine.stats.offloaded_bytes > 0
