@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
 from lightning_offload.options import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_MIN_TENSOR_BYTES,
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_RESIDENT_TAIL_BYTES,
@@ -47,8 +48,10 @@ class ActivationOffloadCallback(Callback):
         min_tensor_bytes: saved tensors smaller than this stay on the device.
         resident_tail_bytes: the most recently saved bytes of each forward stay on the device (they are needed
             first in backward).
-        max_inflight_bytes: pacing: offload a tensor only while the pending device-to-host copies total at most
-            this many bytes, so offloading never outruns the link. ``None``: offload everything eligible.
+        max_offload_bytes: offload at most the first this-many bytes of each forward; the rest stays on the
+            device. The knob that trades memory for step time. ``None``: no limit.
+        max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
+            waits for them (on the device), bounding the memory copies in flight hold. ``None``: never wait.
         prefetch_bytes: how far ahead of backward host-to-device copies may run.
         host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
             by the processes on this machine.
@@ -73,7 +76,8 @@ class ActivationOffloadCallback(Callback):
         compute_device: str | None = None,
         min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
         resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES,
-        max_inflight_bytes: int | None = None,
+        max_offload_bytes: int | None = None,
+        max_inflight_bytes: int | None = DEFAULT_MAX_INFLIGHT_BYTES,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         host_memory_limit: int | None = None,
         on_host_full: OnHostFull = "warn",
@@ -86,6 +90,7 @@ class ActivationOffloadCallback(Callback):
             compute_device=compute_device,
             min_tensor_bytes=min_tensor_bytes,
             resident_tail_bytes=resident_tail_bytes,
+            max_offload_bytes=max_offload_bytes,
             max_inflight_bytes=max_inflight_bytes,
             prefetch_bytes=prefetch_bytes,
             host_memory_limit=host_memory_limit,

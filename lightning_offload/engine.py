@@ -117,7 +117,8 @@ class OffloadEngine:
         self._segment_open = False
         self._saved_pos = 0  # eligible bytes saved so far in the open forward
         self._profile_total: int | None = None  # eligible bytes of the previous forward
-        self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor]] = deque()  # d2h copies and sources
+        # Device -> host copies in flight: (done event, bytes, source, its record), oldest first.
+        self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor, weakref.ref[StorageCopy]]] = deque()
         self._inflight_bytes = 0
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
         self._prefetched: deque[tuple[weakref.ref[StorageCopy], int]] = deque()
@@ -226,18 +227,23 @@ class OffloadEngine:
         return None
 
     def _release_pending(self) -> None:
-        """Offload pending copies, oldest first, that have left the resident tail, while the link keeps up."""
+        """Offload pending copies, oldest first, once they have left the resident tail."""
         self._retire_inflight()
         tail = self.options.resident_tail_bytes
-        cap = self.options.max_inflight_bytes
+        budget = self.options.max_offload_bytes
         # From the second forward on, the previous forward's size says which copies will end up outside the
         # tail, so they go at once instead of waiting for ``tail`` more bytes to be saved after them.
         cutoff = (self._profile_total - tail) if self._profile_total is not None else -1
         while self._pending:
             copy = self._pending[0]
+            if budget is not None and copy.end_pos > budget:
+                # Only the first ``max_offload_bytes`` of a forward leave: the earliest tensors have the most
+                # compute to hide their copies behind, both ways.
+                self._pending.popleft()
+                copy.state = State.RESIDENT
+                self._stats.resident_bytes += copy.nbytes
+                continue
             if self._saved_pos - copy.end_pos < tail and copy.end_pos > cutoff:
-                return
-            if cap is not None and self._inflight_bytes and self._inflight_bytes + copy.nbytes > cap:
                 return
             self._pending.popleft()
             self._offload(copy)
@@ -257,6 +263,8 @@ class OffloadEngine:
         src = copy.src
         assert src is not None
         target = host[: copy.nbytes]
+        copy.host, copy.pool = host, self._pool
+        copy.state = State.OFFLOADED
         with profiler_range("offload::d2h"):
             if self.options.mode == "streamed" and self._cuda:
                 d2h = self._d2h
@@ -269,25 +277,47 @@ class OffloadEngine:
                 done = d2h.record_event()
                 if timing is not None:
                     timing[1].record(d2h)
-                # The source stays referenced until its copy is done: the allocator cannot hand its memory to
-                # new tensors while the copy stream still reads it, and nobody waits on the host for that.
-                self._inflight.append((done, copy.nbytes, src))
-                self._inflight_bytes += copy.nbytes
                 copy.d2h_done = copy.last_use = done
+                # The source stays referenced until its copy is done, so the allocator cannot hand its memory to
+                # new tensors while the copy stream still reads it; until then backward may also use it directly.
+                self._inflight.append((done, copy.nbytes, src, weakref.ref(copy)))
+                self._inflight_bytes += copy.nbytes
+                self._throttle()
             else:
                 target.copy_(src)
-        copy.src = None
-        copy.host, copy.pool = host, self._pool
-        copy.state = State.OFFLOADED
+                copy.src = None
         self._segment.append(weakref.ref(copy))
         self._stats.offloaded_bytes += copy.nbytes
         self._stats.offloaded_tensors += copy.views_left
 
+    def _throttle(self) -> None:
+        """Bound the bytes whose copies lag behind: the compute stream waits (on the device) for the oldest.
+
+        Once the compute stream waits for a copy's event, everything it runs later is ordered after the copy, so
+        the source can be let go at once: its memory is reused only by that later work. No host synchronization.
+        """
+        cap = self.options.max_inflight_bytes
+        if cap is None:
+            return
+        compute = torch.cuda.current_stream(self._device)
+        while self._inflight_bytes > cap and len(self._inflight) > 1:
+            done, nbytes, src, ref = self._inflight.popleft()
+            compute.wait_event(done)
+            self._inflight_bytes -= nbytes
+            self._let_go(src, ref)
+
     def _retire_inflight(self) -> None:
         inflight = self._inflight
         while inflight and inflight[0][0].query():
-            _, nbytes, _ = inflight.popleft()
+            _, nbytes, src, ref = inflight.popleft()
             self._inflight_bytes -= nbytes
+            self._let_go(src, ref)
+
+    @staticmethod
+    def _let_go(src: torch.Tensor, ref: weakref.ref[StorageCopy]) -> None:
+        copy = ref()
+        if copy is not None and copy.src is src and copy.device is not src:
+            copy.src = None
 
     # ------------------------------------------------------------------ backward: unpack and prefetch
 
@@ -323,11 +353,14 @@ class OffloadEngine:
         self._seal()
         if copy.state is not State.OFFLOADED:
             return view.rebuild(copy.src)  # type: ignore[arg-type]
+        if self._inflight:
+            self._retire_inflight()
         consumer = torch.cuda.current_stream(self._device) if self._cuda else None
         span = copy.device
         if span is None:
-            span = self._fetch(copy, on_demand=True)
-        if consumer is not None and self.options.mode == "streamed":
+            # A source whose device -> host copy is still running is used as it is: no round trip.
+            span = copy.src if copy.src is not None else self._fetch(copy, on_demand=True)
+        if consumer is not None and span is not copy.src and self.options.mode == "streamed":
             done = copy.h2d_done
             assert done is not None
             if not done.query():
@@ -399,7 +432,10 @@ class OffloadEngine:
             if self._prefetched_bytes and self._prefetched_bytes + copy.nbytes > budget:
                 queue.append(ref)
                 break
-            self._fetch(copy, on_demand=False)
+            if copy.src is not None:
+                copy.device = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
+            else:
+                self._fetch(copy, on_demand=False)
             prefetched.append((ref, copy.nbytes))
             self._prefetched_bytes += copy.nbytes
 
@@ -418,7 +454,8 @@ def offload_activations(
     compute_device: str | torch.device | None = None,
     min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
     resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
-    max_inflight_bytes: int | None = None,
+    max_offload_bytes: int | None = None,
+    max_inflight_bytes: int | None = OffloadOptions.max_inflight_bytes,
     prefetch_bytes: int = OffloadOptions.prefetch_bytes,
     host_memory_limit: int | None = None,
     on_host_full: str = "warn",
@@ -447,9 +484,12 @@ def offload_activations(
             are dominated by fixed costs and free almost nothing).
         resident_tail_bytes: a tensor leaves the device only once this many bytes were saved after it in the
             same forward, so the last tensors of forward (logits, loss), needed first by backward, stay.
-        max_inflight_bytes: pacing. With a value, a tensor is offloaded only while the device -> host copies
-            still running total at most this much; what the link cannot absorb stays on the device. ``None``:
-            offload every eligible tensor.
+        max_offload_bytes: offload at most the first this-many bytes of each forward (the earliest tensors hide
+            their copies best); the rest stays on the device. ``None``: no limit. This is the knob that trades
+            memory for time: about ``link bandwidth x forward time`` bytes move for free.
+        max_inflight_bytes: device -> host copies may lag forward by this many bytes; beyond it the compute
+            stream waits for the oldest copy (a device-side wait), so memory held by copies in flight stays
+            bounded. ``None``: never wait (fastest, but sources stay on the device until copied).
         prefetch_bytes: how far ahead of backward host -> device copies may run.
         host_memory_limit: the most host memory the pool may hold, in bytes. ``None``: 80% of the RAM
             available at first use, divided by ``LOCAL_WORLD_SIZE``.
@@ -468,6 +508,7 @@ def offload_activations(
         compute_device=compute_device,
         min_tensor_bytes=min_tensor_bytes,
         resident_tail_bytes=resident_tail_bytes,
+        max_offload_bytes=max_offload_bytes,
         max_inflight_bytes=max_inflight_bytes,
         prefetch_bytes=prefetch_bytes,
         host_memory_limit=host_memory_limit,

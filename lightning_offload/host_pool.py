@@ -41,7 +41,7 @@ class HostMemoryFull(RuntimeError):
             f"offloading needs {needed / GiB:.2f} GiB more host memory; the pool holds {held / GiB:.2f} GiB, "
             f"its limit is host_memory_limit={limit / GiB:.2f} GiB and the machine has {available / GiB:.2f} GiB "
             "of RAM available. Raise host_memory_limit (if RAM allows), offload less (resident_tail_bytes, "
-            "min_tensor_bytes, max_inflight_bytes), or pass on_host_full='warn' to keep such tensors on the GPU."
+            "min_tensor_bytes, max_offload_bytes), or pass on_host_full='warn' to keep such tensors on the GPU."
         )
 
 

@@ -26,6 +26,9 @@ DEFAULT_MIN_TENSOR_BYTES = 1 * MiB
 DEFAULT_RESIDENT_TAIL_BYTES = 256 * MiB
 # Prefetch at most this much ahead of backward: about two decoder layers of a 1-8B model at 4-8k tokens.
 DEFAULT_PREFETCH_BYTES = 2 * GiB
+# Device -> host copies may lag forward by this much before the compute stream waits for them: ~10 ms of PCIe.
+# It bounds the extra device memory that copies in flight hold, so streamed never needs much more than sync.
+DEFAULT_MAX_INFLIGHT_BYTES = 512 * MiB
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class OffloadOptions:
     compute_device: torch.device | None = None
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES
-    max_inflight_bytes: int | None = None
+    max_offload_bytes: int | None = None
+    max_inflight_bytes: int | None = DEFAULT_MAX_INFLIGHT_BYTES
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     host_memory_limit: int | None = None
     on_host_full: OnHostFull = "warn"
@@ -60,7 +64,7 @@ class OffloadOptions:
         for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=False)
-        for name in ("max_inflight_bytes", "host_memory_limit"):
+        for name in ("max_offload_bytes", "max_inflight_bytes", "host_memory_limit"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=True)
         measure = kwargs.get("measure_copies", False)

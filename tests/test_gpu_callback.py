@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_offload import ActivationOffloadCallback
-from tests.test_gpu_engine import Net
+from tests.test_gpu_engine import Net, _deterministic  # noqa: F401  (autouse fixture: deterministic kernels)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,7 +45,7 @@ def _fit(tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulat
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        deterministic=False,
+        deterministic=True,
     )
     trainer.fit(module, DataLoader(list(data), batch_size=None))
     return module
@@ -55,7 +55,6 @@ def _fit(tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulat
 @pytest.mark.parametrize("mode", ["sync", "streamed"])
 def test_trainer_parameters_equal(tmp_path: Path, precision: str, mode: str) -> None:
     """Two optimizer steps with gradient accumulation give the same parameters as without the callback."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     plain = _fit(tmp_path / "plain", [], precision, accumulate=2)
     callback = ActivationOffloadCallback(mode=mode, min_tensor_bytes=0, resident_tail_bytes=0)
     offloaded = _fit(tmp_path / "off", [callback], precision, accumulate=2)
