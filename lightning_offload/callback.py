@@ -58,6 +58,10 @@ class ActivationOffloadCallback(Callback):
         on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``
             raises ``HostMemoryFull``.
         measure_copies: time every copy, to log achieved bandwidth.
+        checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
+            each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
+            (the largest ``ModuleList`` of same-class blocks), a class name or module name, or a list of those.
+            ``None``: leave the model as it is.
 
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
@@ -82,6 +86,7 @@ class ActivationOffloadCallback(Callback):
         host_memory_limit: int | None = None,
         on_host_full: OnHostFull = "warn",
         measure_copies: bool = False,
+        checkpoint: str | list[str] | None = None,
     ) -> None:
         super().__init__()
         self.options = OffloadOptions.create(
@@ -97,6 +102,12 @@ class ActivationOffloadCallback(Callback):
             on_host_full=on_host_full,
             measure_copies=measure_copies,
         )
+        if checkpoint is not None and not isinstance(checkpoint, (str, list, tuple)):
+            raise ValueError(
+                f"ActivationOffloadCallback(checkpoint={checkpoint!r}): checkpoint must be None, 'auto', a class or "
+                "module name, or a list of names"
+            )
+        self.checkpoint = checkpoint
         self._engine: OffloadEngine | None = None
         self._active = False
         self._leave_after_backward = True
@@ -145,6 +156,10 @@ class ActivationOffloadCallback(Callback):
                 self._active = False
                 return
             options = OffloadOptions(**{**options.__dict__, "compute_device": device})
+        if self.checkpoint is not None:
+            from lightning_offload.checkpointing import apply_checkpointing
+
+            apply_checkpointing(pl_module, self.checkpoint)
         self._engine = OffloadEngine(options, model=pl_module)
         self._active = True
         optimizers = trainer.optimizers or []

@@ -461,6 +461,7 @@ def offload_activations(
     on_host_full: str = "warn",
     measure_copies: bool = False,
     model: torch.nn.Module | None = None,
+    checkpoint: Any = None,
 ) -> OffloadEngine:
     """Offload the activations autograd saves inside the ``with`` block to host memory.
 
@@ -498,6 +499,9 @@ def offload_activations(
         measure_copies: time every copy (``stats.d2h_ms``/``h2d_ms``); costs two events per copy.
         model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts
             are recognised without it; buffers only with it.
+        checkpoint: also checkpoint ``model``'s repeated blocks (non-reentrant) so only each block's input is
+            saved and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a
+            module name, or a list of those. ``None``: no checkpointing. Applied once, here.
 
     Returns:
         An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block.
@@ -517,4 +521,10 @@ def offload_activations(
     )
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
+    if checkpoint is not None:
+        if model is None:
+            raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
+        from lightning_offload.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, checkpoint)
     return OffloadEngine(options, model=model)
