@@ -375,7 +375,8 @@ class OffloadEngine:
             copy.views_left -= 1
             if copy.views_left <= 0:
                 # Autograd now holds what it needs; a second backward (retain_graph) fetches from host again.
-                copy.device = None
+                # (A source still being copied out stays alive in the in-flight queue until its copy is done.)
+                copy.device = copy.src = None
         self._prefetch()
         return out
 
