@@ -12,8 +12,9 @@ from typing_extensions import override
 
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
+from lightning_offload.memory_picture import MemoryPicture
+from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import (
-    DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_MIN_TENSOR_BYTES,
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_RESIDENT_TAIL_BYTES,
@@ -51,8 +52,9 @@ class ActivationOffloadCallback(Callback):
         max_offload_bytes: offload at most the first this-many bytes of each forward; the rest stays on the
             device. The knob that trades memory for step time. ``None``: no limit.
         max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
-            waits for them (on the device), bounding the memory copies in flight hold. ``None``: never wait.
-        prefetch_bytes: how far ahead of backward host-to-device copies may run.
+            waits for them (on the device), bounding the memory copies in flight hold. ``None``: 512 MiB when
+            everything eligible is offloaded, unbounded with ``max_offload_bytes``.
+        prefetch_bytes: how far ahead of backward host-to-device copies start, in bytes saved during forward.
         host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
             by the processes on this machine.
         on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``
@@ -62,6 +64,18 @@ class ActivationOffloadCallback(Callback):
             each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
             (the largest ``ModuleList`` of same-class blocks), a class name or module name, or a list of those.
             ``None``: leave the model as it is.
+        progress_bar: also show the step's peak allocated GiB in the progress bar (the offloaded GiB when the
+            compute device is the CPU, where no peak is measured).
+        memory_picture: once per fit, record one training step's memory over time and write it as
+            ``offload_memory_picture.png`` into the logger's folder (and as an image to TensorBoard when a
+            TensorBoard logger is attached): allocated memory against time with forward, backward and the optimizer
+            step marked, the offloaded bytes the host holds and the bytes with a copy in flight. The second training
+            batch is recorded (the first warms the host pool up); the recorded step synchronizes the device at every
+            sample and so runs slower than the others.
+        memory_picture_compare: with ``memory_picture``, run the batch after the recorded one without offloading
+            and draw it too, for comparison (its per-step figures are not logged). That batch needs the memory
+            offloading saves: turn this off when the model fits only with offloading. It is skipped with
+            ``mode="off"``, gradient accumulation, manual optimization and LBFGS.
 
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
@@ -72,6 +86,15 @@ class ActivationOffloadCallback(Callback):
         ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
         copies in the latest batch, in milliseconds.
         ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
+
+    Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
+        ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
+        ``offload/peak_reserved_gib_epoch_max``: the highest ``offload/peak_reserved_gib`` of the epoch (CUDA).
+        ``offload/offloaded_gib_epoch_mean``: the mean ``offload/offloaded_gib`` per training batch.
+        ``offload/host_pinned_gib_epoch_max``: the most host memory the pool held after a batch.
+        ``offload/stall_ms_epoch_mean``: (``mode="streamed"`` on CUDA) the mean ``offload/stall_ms`` per batch.
+        ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (with ``measure_copies=True``) the
+        epoch's bandwidth: bytes copied over time spent copying.
     """
 
     def __init__(
@@ -81,12 +104,15 @@ class ActivationOffloadCallback(Callback):
         min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
         resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES,
         max_offload_bytes: int | None = None,
-        max_inflight_bytes: int | None = DEFAULT_MAX_INFLIGHT_BYTES,
+        max_inflight_bytes: int | None = None,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         host_memory_limit: int | None = None,
         on_host_full: OnHostFull = "warn",
         measure_copies: bool = False,
         checkpoint: str | list[str] | None = None,
+        progress_bar: bool = False,
+        memory_picture: bool = False,
+        memory_picture_compare: bool = True,
     ) -> None:
         super().__init__()
         self.options = OffloadOptions.create(
@@ -108,6 +134,18 @@ class ActivationOffloadCallback(Callback):
                 "module name, or a list of names"
             )
         self.checkpoint = checkpoint
+        for name, value in (
+            ("progress_bar", progress_bar),
+            ("memory_picture", memory_picture),
+            ("memory_picture_compare", memory_picture_compare),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"ActivationOffloadCallback({name}={value!r}): {name} must be True or False")
+        self.progress_bar = progress_bar
+        # Created in ``setup``, where the device is known; both pickle without their device state (``ddp_spawn``).
+        self._epoch_metrics: OffloadEpochMetrics | None = None
+        self._picture = MemoryPicture(compare=memory_picture_compare) if memory_picture else None
+        self._plain_batch = False  # this batch runs without offloading (the memory picture's comparison)
         self._engine: OffloadEngine | None = None
         self._active = False
         self._leave_after_backward = True
@@ -168,6 +206,7 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = pl_module.automatic_optimization and not any(
             isinstance(opt, torch.optim.LBFGS) for opt in optimizers
         )
+        self._setup_reporting(trainer, device)
 
     @override
     def on_train_batch_start(
@@ -180,13 +219,24 @@ class ActivationOffloadCallback(Callback):
         if device is not None and self._reset_peaks:
             torch.cuda.reset_peak_memory_stats(device)
         self._reset_peaks = False
-        if not engine.installed:
+        picture = self._picture
+        self._plain_batch = picture is not None and not picture.offload_batch()
+        if not engine.installed and not self._plain_batch:
             engine.__enter__()
+        if picture is not None:
+            picture.on_batch_start(pl_module, engine, engine._device or pl_module.device)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._picture is not None:
+            self._picture.mark("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None and self._leave_after_backward:
             self._engine.uninstall()
+        if self._picture is not None:
+            self._picture.mark("optimizer")
 
     @override
     def on_before_optimizer_step(
@@ -202,17 +252,36 @@ class ActivationOffloadCallback(Callback):
         if not self._active or engine is None:
             return
         engine.uninstall()
+        if self._picture is not None:
+            self._picture.on_batch_end(trainer, self._picture_title())
+        if self._plain_batch:
+            # The comparison batch ran without offloading: its figures describe another configuration.
+            self._plain_batch = False
+            self._reset_peaks = True
+            self._stepped = False
+            return
         self._log(trainer, pl_module, engine)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None:
             self._engine.uninstall()
+        self._log_epoch(pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._picture is not None:
+            # Training ended before the comparison batch: draw what was recorded.
+            self._picture.flush(trainer, self._picture_title())
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._engine is not None:
             self._engine.reset()
+        if self._picture is not None:
+            self._picture.close()
+        if self._epoch_metrics is not None:
+            self._epoch_metrics.reset()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -237,13 +306,21 @@ class ActivationOffloadCallback(Callback):
         will_log = _will_log(trainer)
         stats = engine.collect_stats(wait=will_log)
         self._last_stats = stats
+        device = self._cuda_device()
+        # Reading the peaks is host-side allocator bookkeeping: no device synchronization.
+        peaks = (
+            (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+            if stepped and device is not None
+            else None
+        )
+        if self._epoch_metrics is not None:
+            self._epoch_metrics.update(stats, *(peaks or (None, None)))
         if not will_log:
             return
         metrics: dict[str, float] = {}
-        device = self._cuda_device()
-        if stepped and device is not None:
-            metrics["offload/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GiB
-            metrics["offload/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB
+        if peaks is not None:
+            metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
+            metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and device is not None:
@@ -251,8 +328,37 @@ class ActivationOffloadCallback(Callback):
         if self.options.measure_copies and device is not None:
             metrics["offload/d2h_gbps"] = stats.d2h_gbps()
             metrics["offload/h2d_gbps"] = stats.h2d_gbps()
+        shown = "offload/peak_allocated_gib" if device is not None else "offload/offloaded_gib"
         for key, value in metrics.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, logger=True, batch_size=1)
+            prog_bar = self.progress_bar and key == shown
+            pl_module.log(key, value, on_step=True, on_epoch=False, logger=True, prog_bar=prog_bar, batch_size=1)
+
+    def _setup_reporting(self, trainer: pl.Trainer, device: torch.device) -> None:
+        options = self.options
+        self._epoch_metrics = OffloadEpochMetrics(
+            cuda=device.type == "cuda", streamed=options.mode == "streamed", measure_copies=options.measure_copies
+        )
+        if self._picture is not None:
+            # The comparison batch skips offloading for one whole optimizer step; under accumulation, manual
+            # optimization or LBFGS a batch is not one whole step, and with mode="off" there is nothing to compare.
+            compare_allowed = (
+                options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
+            )
+            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=compare_allowed)
+
+    def _picture_title(self) -> str:
+        options = self.options
+        return f"ActivationOffloadCallback(mode={options.mode!r}): one training step"
+
+    def _log_epoch(self, pl_module: pl.LightningModule) -> None:
+        summaries = self._epoch_metrics
+        engine = self._engine
+        if summaries is None or engine is None or not self._active:
+            return
+        engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
+        # Every process computes (the reduction is collective), and logs the same reduced values.
+        for key, value in summaries.compute(pl_module.device).items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1)
 
 
 def _will_log(trainer: pl.Trainer) -> bool:

@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_offload import policy
 from lightning_offload.copies import SavedView, State, StorageCopy, byte_span, copy_span
 from lightning_offload.host_pool import HostMemoryFull, HostPool, pool_for
-from lightning_offload.options import OffloadOptions
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import TimingEvents, copy_streams, profiler_range
 
@@ -49,6 +49,10 @@ class OffloadEngine:
         self._device: torch.device | None = None  # resolved lazily: the engine must pickle before first use
         self._warned_host_full = False
         self._host_limit: int | None = None
+        cap = options.max_inflight_bytes
+        if cap is None and options.max_offload_bytes is None:
+            cap = DEFAULT_MAX_INFLIGHT_BYTES
+        self._inflight_cap = cap
         self._reset_state()
 
     # ------------------------------------------------------------------ context management
@@ -115,14 +119,16 @@ class OffloadEngine:
         self._pending: deque[StorageCopy] = deque()  # saved, not yet offloaded, in save order
         self._segment: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward, in save order
         self._segment_open = False
-        self._saved_pos = 0  # eligible bytes saved so far in the open forward
+        # Positions are eligible bytes saved since the engine was made: monotone across forwards, so copies of
+        # several forwards awaiting one backward still order correctly.
+        self._saved_pos = 0
+        self._segment_start = 0  # position where the open forward began
         self._profile_total: int | None = None  # eligible bytes of the previous forward
+        self._backward_pos = 0  # lowest position backward has reached (it walks the forward in reverse)
         # Device -> host copies in flight: (done event, bytes, source, its record), oldest first.
         self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor, weakref.ref[StorageCopy]]] = deque()
         self._inflight_bytes = 0
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
-        self._prefetched: deque[tuple[weakref.ref[StorageCopy], int]] = deque()
-        self._prefetched_bytes = 0
         self._all_copies: list[weakref.ref[StorageCopy]] = []
         self._stall_timer = TimingEvents()
         self._d2h_timer = TimingEvents()
@@ -233,10 +239,11 @@ class OffloadEngine:
         budget = self.options.max_offload_bytes
         # From the second forward on, the previous forward's size says which copies will end up outside the
         # tail, so they go at once instead of waiting for ``tail`` more bytes to be saved after them.
-        cutoff = (self._profile_total - tail) if self._profile_total is not None else -1
+        start = self._segment_start
+        cutoff = (start + self._profile_total - tail) if self._profile_total is not None else -1
         while self._pending:
             copy = self._pending[0]
-            if budget is not None and copy.end_pos > budget:
+            if budget is not None and copy.end_pos - start > budget:
                 # Only the first ``max_offload_bytes`` of a forward leave: the earliest tensors have the most
                 # compute to hide their copies behind, both ways.
                 self._pending.popleft()
@@ -296,7 +303,7 @@ class OffloadEngine:
         Once the compute stream waits for a copy's event, everything it runs later is ordered after the copy, so
         the source can be let go at once: its memory is reused only by that later work. No host synchronization.
         """
-        cap = self.options.max_inflight_bytes
+        cap = self._inflight_cap
         if cap is None:
             return
         compute = torch.cuda.current_stream(self._device)
@@ -330,8 +337,8 @@ class OffloadEngine:
             copy.state = State.RESIDENT
             self._stats.resident_bytes += copy.nbytes
         self._pending.clear()
-        self._profile_total = self._saved_pos
-        self._saved_pos = 0
+        self._profile_total = self._saved_pos - self._segment_start
+        self._segment_start = self._backward_pos = self._saved_pos
         # Backward needs the last-saved tensors first; prefetch walks the forward backwards.
         self._fetch_queue = self._segment + self._fetch_queue
         self._segment = []
@@ -351,8 +358,11 @@ class OffloadEngine:
                 "exception; run forward again before calling backward"
             )
         self._seal()
+        self._backward_pos = min(self._backward_pos, copy.end_pos - copy.nbytes)
         if copy.state is not State.OFFLOADED:
-            return view.rebuild(copy.src)  # type: ignore[arg-type]
+            out = view.rebuild(copy.src)  # type: ignore[arg-type]
+            self._prefetch()
+            return out
         if self._inflight:
             self._retire_inflight()
         consumer = torch.cuda.current_stream(self._device) if self._cuda else None
@@ -412,33 +422,26 @@ class OffloadEngine:
         return span
 
     def _prefetch(self) -> None:
-        """Keep up to ``prefetch_bytes`` fetched ahead of backward, walking the forward in reverse."""
+        """Fetch the offloaded copies that backward will reach within ``prefetch_bytes``, latest-saved first.
+
+        Distance is measured in bytes saved during forward (a proxy for backward compute that needs no timing):
+        copies come back shortly before they are needed, not at the start of backward, where memory peaks.
+        """
         if self.options.mode != "streamed" or not self._cuda:
             return
-        budget = self.options.prefetch_bytes
-        prefetched = self._prefetched
-        while prefetched:
-            ref, nbytes = prefetched[0]
-            copy = ref()
-            if copy is not None and copy.device is not None and copy.views_left > 0:
-                break
-            prefetched.popleft()
-            self._prefetched_bytes -= nbytes
+        horizon = self._backward_pos - self.options.prefetch_bytes
         queue = self._fetch_queue
-        while queue and self._prefetched_bytes < budget:
-            ref = queue.pop()
-            copy = ref()
+        while queue:
+            copy = queue[-1]()
+            if copy is not None and copy.end_pos <= horizon:
+                return
+            queue.pop()
             if copy is None or copy.state is not State.OFFLOADED or copy.device is not None:
                 continue
-            if self._prefetched_bytes and self._prefetched_bytes + copy.nbytes > budget:
-                queue.append(ref)
-                break
             if copy.src is not None:
                 copy.device = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
             else:
                 self._fetch(copy, on_demand=False)
-            prefetched.append((ref, copy.nbytes))
-            self._prefetched_bytes += copy.nbytes
 
 
 def _env_int(name: str, default: int) -> int:
@@ -456,7 +459,7 @@ def offload_activations(
     min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
     resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
     max_offload_bytes: int | None = None,
-    max_inflight_bytes: int | None = OffloadOptions.max_inflight_bytes,
+    max_inflight_bytes: int | None = None,
     prefetch_bytes: int = OffloadOptions.prefetch_bytes,
     host_memory_limit: int | None = None,
     on_host_full: str = "warn",
@@ -491,8 +494,10 @@ def offload_activations(
             memory for time: about ``link bandwidth x forward time`` bytes move for free.
         max_inflight_bytes: device -> host copies may lag forward by this many bytes; beyond it the compute
             stream waits for the oldest copy (a device-side wait), so memory held by copies in flight stays
-            bounded. ``None``: never wait (fastest, but sources stay on the device until copied).
-        prefetch_bytes: how far ahead of backward host -> device copies may run.
+            bounded. ``None``: 512 MiB when everything eligible is offloaded; no bound with
+            ``max_offload_bytes`` (copies of the earliest tensors catch up long before forward ends).
+        prefetch_bytes: how far ahead of backward host -> device copies start, in bytes saved during forward: a
+            copy comes back once backward is within this many saved bytes of it.
         host_memory_limit: the most host memory the pool may hold, in bytes. ``None``: 80% of the RAM
             available at first use, divided by ``LOCAL_WORLD_SIZE``.
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors

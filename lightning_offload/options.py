@@ -24,7 +24,8 @@ DEFAULT_MIN_TENSOR_BYTES = 1 * MiB
 # Tensors saved last in forward are needed first in backward; offloading them buys a round trip with nothing to
 # hide it. 256 MiB is a few hundred microseconds of backward compute for the models this targets.
 DEFAULT_RESIDENT_TAIL_BYTES = 256 * MiB
-# Prefetch at most this much ahead of backward: about two decoder layers of a 1-8B model at 4-8k tokens.
+# Prefetch this far ahead of backward, in bytes saved during forward: two to three decoder layers of a 1-8B model
+# at 4-8k tokens, enough compute to hide a layer's copy back on PCIe.
 DEFAULT_PREFETCH_BYTES = 2 * GiB
 # Device -> host copies may lag forward by this much before the compute stream waits for them: ~10 ms of PCIe.
 # It bounds the extra device memory that copies in flight hold, so streamed never needs much more than sync.
@@ -40,7 +41,7 @@ class OffloadOptions:
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES
     max_offload_bytes: int | None = None
-    max_inflight_bytes: int | None = DEFAULT_MAX_INFLIGHT_BYTES
+    max_inflight_bytes: int | None = None
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     host_memory_limit: int | None = None
     on_host_full: OnHostFull = "warn"
