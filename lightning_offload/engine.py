@@ -25,6 +25,7 @@ from lightning_offload import policy
 from lightning_offload.copies import SavedView, State, StorageCopy, byte_span, copy_span
 from lightning_offload.host_pool import HostMemoryFull, HostPool, pool_for
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
+from lightning_offload.schedule import CopySchedule, link_bytes_per_ms
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import TimingEvents, copy_streams, profiler_range
 
@@ -125,8 +126,12 @@ class OffloadEngine:
         self._segment_start = 0  # position where the open forward began
         self._profile_total: int | None = None  # eligible bytes of the previous forward
         self._backward_pos = 0  # lowest position backward has reached (it walks the forward in reverse)
-        # Device -> host copies in flight: (done event, bytes, source, its record), oldest first.
-        self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor, weakref.ref[StorageCopy]]] = deque()
+        # Device -> host copies in flight: (done event, bytes, source, its record, position by which it should be
+        # done), oldest first.
+        self._inflight: deque[tuple[torch.cuda.Event, int, torch.Tensor, weakref.ref[StorageCopy], float | None]] = (
+            deque()
+        )
+        self._schedule = CopySchedule()
         self._inflight_bytes = 0
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
         self._all_copies: list[weakref.ref[StorageCopy]] = []
@@ -141,6 +146,8 @@ class OffloadEngine:
             self._pool: HostPool = pool_for(self._device)
             if self._cuda:
                 self._d2h, self._h2d = copy_streams(self._device)
+                if self.options.mode == "streamed":
+                    self._link_rate = link_bytes_per_ms(self._device)
         self._finish_timers(wait=False)  # leftovers of older windows; never a host sync on the step path
         self._stats = OffloadStats()
         self._allocations_at_start = self._pool.allocations
@@ -196,7 +203,10 @@ class OffloadEngine:
         if self.options.mode == "off":
             stats.eligible_bytes += end - start
             return tensor
-        self._segment_open = True
+        if not self._segment_open:
+            self._segment_open = True
+            if self._cuda and self.options.mode == "streamed":
+                self._schedule.forward_started(torch.cuda.current_stream(self._device))
         ref = StorageWeakRef(storage)
         version = tensor._version
         copy = self._find_copy(ref.cdata, start, end, version)
@@ -234,7 +244,9 @@ class OffloadEngine:
 
     def _release_pending(self) -> None:
         """Offload pending copies, oldest first, once they have left the resident tail."""
-        self._retire_inflight()
+        if self._inflight:
+            self._retire_inflight()
+            self._wait_due()
         tail = self.options.resident_tail_bytes
         budget = self.options.max_offload_bytes
         # From the second forward on, the previous forward's size says which copies will end up outside the
@@ -287,7 +299,8 @@ class OffloadEngine:
                 copy.d2h_done = copy.last_use = done
                 # The source stays referenced until its copy is done, so the allocator cannot hand its memory to
                 # new tensors while the copy stream still reads it; until then backward may also use it directly.
-                self._inflight.append((done, copy.nbytes, src, weakref.ref(copy)))
+                deadline = self._schedule.deadline(copy.end_pos, copy.nbytes)
+                self._inflight.append((done, copy.nbytes, src, weakref.ref(copy), deadline))
                 self._inflight_bytes += copy.nbytes
                 self._throttle()
             else:
@@ -304,19 +317,32 @@ class OffloadEngine:
         the source can be let go at once: its memory is reused only by that later work. No host synchronization.
         """
         cap = self._inflight_cap
+        if cap is None and self._schedule.ratio is None:
+            cap = DEFAULT_MAX_INFLIGHT_BYTES  # no model of the link yet (first forward): bound memory plainly
         if cap is None:
             return
-        compute = torch.cuda.current_stream(self._device)
         while self._inflight_bytes > cap and len(self._inflight) > 1:
-            done, nbytes, src, ref = self._inflight.popleft()
-            compute.wait_event(done)
-            self._inflight_bytes -= nbytes
-            self._let_go(src, ref)
+            self._wait_oldest()
+
+    def _wait_due(self) -> None:
+        """Let go of sources whose copies the link model says are done by now (device-side wait, no sync)."""
+        position = self._saved_pos
+        while self._inflight:
+            deadline = self._inflight[0][4]
+            if deadline is None or deadline > position:
+                return
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        done, nbytes, src, ref, _ = self._inflight.popleft()
+        torch.cuda.current_stream(self._device).wait_event(done)
+        self._inflight_bytes -= nbytes
+        self._let_go(src, ref)
 
     def _retire_inflight(self) -> None:
         inflight = self._inflight
         while inflight and inflight[0][0].query():
-            _, nbytes, src, ref = inflight.popleft()
+            _, nbytes, src, ref, _ = inflight.popleft()
             self._inflight_bytes -= nbytes
             self._let_go(src, ref)
 
@@ -338,6 +364,9 @@ class OffloadEngine:
             self._stats.resident_bytes += copy.nbytes
         self._pending.clear()
         self._profile_total = self._saved_pos - self._segment_start
+        if self._cuda and self.options.mode == "streamed":
+            stream = torch.cuda.current_stream(self._device)
+            self._schedule.forward_ended(stream, self._profile_total, self._link_rate)
         self._segment_start = self._backward_pos = self._saved_pos
         # Backward needs the last-saved tensors first; prefetch walks the forward backwards.
         self._fetch_queue = self._segment + self._fetch_queue
