@@ -54,7 +54,8 @@ class ActivationOffloadCallback(Callback):
         max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
             waits for them (on the device), bounding the memory copies in flight hold. ``None``: 512 MiB when
             everything eligible is offloaded, unbounded with ``max_offload_bytes``.
-        prefetch_bytes: how far ahead of backward host-to-device copies start, in bytes saved during forward.
+        prefetch_bytes: the least lead of a host-to-device copy, in bytes saved during forward; a model of the
+            link starts copies earlier when they need longer to arrive.
         host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
             by the processes on this machine.
         on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``

@@ -134,6 +134,7 @@ class OffloadEngine:
         self._schedule = CopySchedule()
         self._inflight_bytes = 0
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
+        self._fetch_at: list[float] = []  # backward position at which each queued copy must start coming back
         self._all_copies: list[weakref.ref[StorageCopy]] = []
         self._stall_timer = TimingEvents()
         self._d2h_timer = TimingEvents()
@@ -371,6 +372,7 @@ class OffloadEngine:
         # Backward needs the last-saved tensors first; prefetch walks the forward backwards.
         self._fetch_queue = self._segment + self._fetch_queue
         self._segment = []
+        self._plan_prefetch()
         self._by_storage = {}
         self._all_copies = [ref for ref in self._all_copies if ref() is not None]
 
@@ -450,21 +452,36 @@ class OffloadEngine:
             self._stats.prefetched_bytes += copy.nbytes
         return span
 
-    def _prefetch(self) -> None:
-        """Fetch the offloaded copies that backward will reach within ``prefetch_bytes``, latest-saved first.
+    def _plan_prefetch(self) -> None:
+        """For each queued copy, the latest backward position at which its copy back can start and still arrive.
 
-        Distance is measured in bytes saved during forward (a proxy for backward compute that needs no timing):
-        copies come back shortly before they are needed, not at the start of backward, where memory peaks.
+        Positions are bytes saved in forward; backward walks them downwards. The host -> device stream serves
+        copies in the order backward needs them, so a copy must also start early enough for the ones after it:
+        a pass from the last-needed copy up gives each its latest start. Fetching no earlier keeps prefetched
+        bytes out of the backward peak; ``prefetch_bytes`` is the least lead any copy gets.
         """
+        lead = self._schedule.backward_lead()
+        floor = self.options.prefetch_bytes
+        latest_start = float("inf")
+        plan = []
+        for ref in self._fetch_queue:  # lowest position (needed last) first
+            copy = ref()
+            if copy is None:
+                plan.append(float("inf"))  # dead: drop it whenever the walk reaches it
+                continue
+            finish = min(float(copy.end_pos), latest_start)
+            latest_start = finish + copy.nbytes * lead
+            plan.append(max(latest_start, float(copy.end_pos + floor)))
+        self._fetch_at = plan
+
+    def _prefetch(self) -> None:
+        """Start the copies back whose planned start backward has reached, latest-saved first."""
         if self.options.mode != "streamed" or not self._cuda:
             return
-        horizon = self._backward_pos - self.options.prefetch_bytes
-        queue = self._fetch_queue
-        while queue:
-            copy = queue[-1]()
-            if copy is not None and copy.end_pos <= horizon:
-                return
-            queue.pop()
+        queue, plan = self._fetch_queue, self._fetch_at
+        while queue and plan[-1] >= self._backward_pos:
+            copy = queue.pop()()
+            plan.pop()
             if copy is None or copy.state is not State.OFFLOADED or copy.device is not None:
                 continue
             if copy.src is not None:
@@ -525,8 +542,9 @@ def offload_activations(
             stream waits for the oldest copy (a device-side wait), so memory held by copies in flight stays
             bounded. ``None``: 512 MiB when everything eligible is offloaded; no bound with
             ``max_offload_bytes`` (copies of the earliest tensors catch up long before forward ends).
-        prefetch_bytes: how far ahead of backward host -> device copies start, in bytes saved during forward: a
-            copy comes back once backward is within this many saved bytes of it.
+        prefetch_bytes: the least lead of a host -> device copy, in bytes saved during forward: a copy comes
+            back once backward is within this many saved bytes of it, or earlier when a model of the link
+            (forward's measured pace against the link's bandwidth) says it needs longer to arrive.
         host_memory_limit: the most host memory the pool may hold, in bytes. ``None``: 80% of the RAM
             available at first use, divided by ``LOCAL_WORLD_SIZE``.
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors
