@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 
 import pytest
@@ -10,21 +9,22 @@ import torch
 
 from lightning_offload import release_host_memory
 from lightning_offload.host_pool import HostPool, pool_for
+from tests.models import top_hooks
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: compiles with a C++ toolchain (several seconds); deselect with -m 'not slow'")
-
-
-def top_hooks() -> object:
-    """The innermost default saved-tensor hooks of this thread, or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    config.addinivalue_line(
+        "markers", "slow: compiles with a C++ toolchain (several seconds); deselect with -m 'not slow'"
+    )
 
 
 @pytest.fixture(autouse=True)
 def clean_offload_state() -> Iterator[None]:
-    """Idle pooled buffers are released before each test; a test that leaves hooks installed fails."""
-    gc.collect()
+    """Idle pooled buffers are released before each test; a test that leaves hooks installed fails.
+
+    (No ``gc.collect()`` here: after torch.compile is imported it costs ~0.3 s per test. Tests that read the pool
+    compare against what it held when they started.)
+    """
     release_host_memory()
     assert top_hooks() is None, "saved-tensor hooks leaked in from an earlier test"
     yield

@@ -121,10 +121,10 @@ class InplaceModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        h.relu_()  # saves its output (version 1)
         h.add_(self.bias)  # saves nothing
-        g = self.fc2(h)
-        g.mul_(2.0)
+        h.relu_()  # saves its output (version 2)
+        g = self.fc2(h)  # saves h again: same storage, same version
+        g.mul_(2.0)  # saves nothing
         g.sigmoid_()  # saves its output
         return (g * h).sum()
 
@@ -243,6 +243,11 @@ def build(case: Case) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------- step helpers
+
+
+def top_hooks() -> object:
+    """The innermost default saved-tensor hooks of this thread, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def make_engine(**kwargs: Any) -> OffloadEngine:

@@ -1,0 +1,864 @@
+"""The engine end to end on CPU: gradients bit for bit, exact restores, and the lessons of REFERENCE.md §3.
+
+With ``compute_device="cpu"`` CPU tensors count as offloadable and move into separate pooled host buffers, so
+every byte that backward reads went through a copy; any bookkeeping error shows up as a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import shutil
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+from lightning_offload import HostMemoryFull, OffloadEngine, OffloadOptions, no_offload, offload_activations
+from lightning_offload.host_pool import HostPool
+from tests.models import (
+    CASES,
+    Case,
+    CheckpointModel,
+    Probe,
+    assert_same_grads,
+    build,
+    make_engine,
+    probe,
+    tanh_chain,
+    top_hooks,
+    train_step,
+)
+
+MODES = ["sync", "streamed"]
+
+
+def maybe(engine: OffloadEngine | None) -> AbstractContextManager[object]:
+    """The engine as a context manager, or nothing (the reference run)."""
+    return engine if engine is not None else nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("mode", [*MODES, "off"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_grads_bit_equal_and_steady_state(case: Case, mode: str) -> None:
+    """Offloading every eligible tensor leaves fp32 grads bit-identical, twice with one engine (steady state).
+
+    ``off`` must give the same grads while moving nothing; the other modes must really move bytes, and the
+    second step must reuse the pool (no new host buffers).
+    """
+    model = build(case)
+    batch = case.make_batch()
+    expected = train_step(model, batch)
+    engine = make_engine(mode=mode)
+    offloaded = []
+    for step in range(2):
+        assert_same_grads(train_step(model, batch, engine), expected)
+        stats = engine.stats
+        assert stats.saved_tensors > 0
+        assert stats.eligible_bytes > 0
+        offloaded.append(stats.offloaded_bytes)
+        if mode == "off":
+            assert stats.offloaded_bytes == 0
+            assert stats.offloaded_tensors == 0
+            assert stats.host_allocations == 0
+        else:
+            assert stats.offloaded_bytes > 0
+            assert stats.offloaded_tensors > 0
+            assert stats.resident_bytes == 0  # no tail, no limit: everything eligible left
+            assert stats.offloaded_bytes == stats.eligible_bytes
+            assert stats.fetched_on_demand_bytes == stats.offloaded_bytes  # CPU: every byte fetched on demand
+            if step == 1:
+                assert stats.host_allocations == 0
+    assert offloaded[0] == offloaded[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_saved_values_come_back_bit_exact(mode: str) -> None:
+    """Every saved tensor, whatever its dtype, comes back with the bytes it had when saved."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(7, 5, generator=g),
+        torch.randn(64, generator=g).to(torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (33,), generator=g),
+        torch.rand(17, generator=g) > 0.5,
+        torch.randn(6, 3, dtype=torch.float64, generator=g),
+        torch.randn(4, 4, dtype=torch.complex64, generator=g),
+    ]
+    expected = [t.clone() for t in tensors]
+    engine = make_engine(mode=mode)
+    restored = probe(tensors, engine)
+    assert engine.stats.offloaded_tensors == len(tensors)
+    for got, want in zip(restored, expected, strict=True):
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("where", ["offloaded", "resident_tail", "below_min_tensor_bytes", "no_offload"])
+def test_inplace_change_after_save_never_silently_used(where: str) -> None:
+    """Plain autograd raises when a saved tensor is modified in place before backward; saved-tensor hooks switch
+    that check off. Under the engine backward must then either raise the same error or use the values as they
+    were when saved (the true gradient), whichever way the tensor was kept: never the modified values."""
+    x = torch.randn(64, requires_grad=True)
+    (torch.tanh(x) * 2.0).sum().backward()
+    true_grad = x.grad.clone()
+    x.grad = None
+    h = torch.tanh(x)
+    h.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()  # what plain autograd does
+
+    options: dict[str, Any] = {
+        "offloaded": {},
+        "resident_tail": {"resident_tail_bytes": 1 << 20},
+        "below_min_tensor_bytes": {"min_tensor_bytes": 1 << 20},
+        "no_offload": {},
+    }[where]
+    engine = make_engine(**options)
+    with engine, no_offload() if where == "no_offload" else nullcontext():
+        h = torch.tanh(x)  # saves h
+        h.mul_(2.0)
+        loss = h.sum()
+    assert engine.stats.saved_tensors == 1
+    assert (engine.stats.offloaded_bytes > 0) == (where == "offloaded")
+    x.grad = None
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        assert "modified by an inplace operation" in str(err)
+    else:
+        assert torch.equal(x.grad, true_grad), "backward silently used the in-place-modified saved tensor"
+
+
+# ---------------------------------------------------------------------------------------------- lesson 8 and dedup
+
+
+def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.size()), t.stride(), t.storage_offset(), t.dtype
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson8_restored_views_keep_size_stride_and_offset(mode: str) -> None:
+    """Lesson 8: transposes, strided slices, offset views, expands, permutes and dtype views are rebuilt with the
+    exact size, stride, storage offset and dtype they were saved with, and the same values."""
+    base = torch.randn(6, 8, 10)
+    other = torch.randn(5, 12)
+    tensors = [
+        other.t(),  # transpose
+        other[:, ::2],  # stride 2 on the last dim
+        other[1:],  # storage offset > 0, uses most of the storage
+        torch.randn(1, 12).expand(9, 12),  # stride 0
+        base.permute(2, 0, 1),
+        base[:, 1:, ::3],  # offset + steps on two dims
+        base.view(torch.int32),  # same storage, another dtype
+        base.transpose(0, 2)[1:],
+    ]
+    expected = [(t.clone(), _geometry(t)) for t in tensors]
+    engine = make_engine(mode=mode)
+    restored = probe(tensors, engine)
+    assert engine.stats.offloaded_bytes > 0
+    for got, (values, geometry) in zip(restored, expected, strict=True):
+        assert _geometry(got) == geometry
+        assert torch.equal(got, values)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson8_small_slice_of_large_storage(mode: str) -> None:
+    """Lesson 8 for a tensor using under half of its storage: only its span is copied; size, stride, dtype and
+    values are exact and the offset keeps its alignment modulo 512 bytes (what kernels pick code paths by)."""
+    storage = torch.randn(64, 256)  # 64 KiB
+    piece = storage[40:44, 3:200]  # starts at a byte offset that is not a multiple of 512
+    want = piece.clone()
+    engine = make_engine(mode=mode)
+    (got,) = probe([piece], engine)
+    assert engine.stats.offloaded_bytes < storage.untyped_storage().nbytes()
+    start = piece.storage_offset() * 4
+    end = start + ((4 - 1) * 256 + 197) * 4
+    assert engine.stats.offloaded_bytes == end - (start - start % 512)
+    assert got.size() == piece.size() and got.stride() == piece.stride() and got.dtype == piece.dtype
+    assert (got.storage_offset() * 4) % 512 == start % 512
+    assert torch.equal(got, want)
+
+
+def test_dedup_qkv_of_one_projection_copied_once() -> None:
+    """q, k and v chunked from one projection share a storage: its bytes are offloaded once, and each of the three
+    views (and their per-head transposes) comes back exactly."""
+    qkv = torch.randn(2, 10, 3 * 16)
+    q, k, v = qkv.chunk(3, dim=-1)
+    heads = [t.reshape(2, 10, 4, 4).transpose(1, 2) for t in (q, k, v)]
+    tensors = [q, k, v, *heads]
+    expected = [(t.clone(), _geometry(t)) for t in tensors]
+    engine = make_engine()
+    restored = probe(tensors, engine)
+    stats = engine.stats
+    assert stats.offloaded_bytes == qkv.untyped_storage().nbytes()
+    assert stats.eligible_bytes == qkv.untyped_storage().nbytes()
+    assert stats.offloaded_tensors == len(tensors)
+    for got, (values, geometry) in zip(restored, expected, strict=True):
+        assert _geometry(got) == geometry
+        assert torch.equal(got, values)
+
+
+def test_dedup_in_attention_block() -> None:
+    """In a real attention forward, q/k/v saved by SDPA share one offloaded copy of the qkv projection."""
+    qkv_proj = nn.Linear(16, 48)
+    x = torch.randn(2, 10, 16)
+    engine = make_engine()
+    with engine:
+        q, k, v = (t.reshape(2, 10, 4, 4).transpose(1, 2) for t in qkv_proj(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v)
+    saved_qkv = engine.stats.offloaded_bytes
+    y.sum().backward()
+    # x (2*10*16*4 B) plus the attention's own outputs; the qkv storage counts once, not three times.
+    qkv_bytes = 2 * 10 * 48 * 4
+    assert x.nbytes + qkv_bytes <= saved_qkv < x.nbytes + 2 * qkv_bytes
+
+
+class SaveUnread(torch.autograd.Function):
+    """Saves its input but never reads it back (like a backward formula whose grad is not needed)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_same_storage_new_version_gets_new_copy() -> None:
+    """A storage saved, then legally modified in place, then saved again is copied twice: the second save must not
+    be served from the first (stale) copy."""
+    x = torch.randn(32, requires_grad=True)
+    anchor = torch.zeros((), requires_grad=True)
+    log: list[torch.Tensor] = []
+    engine = make_engine()
+    with engine:
+        h = x * 1.0
+        first = SaveUnread.apply(h)  # saves h at version 0
+        h.add_(1.0)
+        out = Probe.apply(anchor, log, h)  # saves h at version 1
+    assert engine.stats.offloaded_bytes == 2 * 32 * 4
+    (first.sum() + out).backward()
+    assert torch.equal(log[0], x.detach() + 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- lesson 6
+
+
+def test_lesson6_tensors_off_the_compute_device_are_never_offloaded() -> None:
+    """Lesson 6: with compute_device="cpu", tensors saved on another device (meta here) are handed back to autograd
+    untouched, while CPU tensors saved in the same window are offloaded."""
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    xm = torch.randn(4, 8, device="meta")
+    xc = torch.randn(4, 8, requires_grad=True)
+    engine = make_engine()
+    anchor = torch.zeros((), requires_grad=True)
+    log: list[torch.Tensor] = []
+    with engine:
+        hm = torch.tanh(xm @ w)
+        meta_loss = hm.sum()
+        meta_saved = engine.stats.saved_tensors
+        assert meta_saved >= 2
+        assert engine.stats.eligible_bytes == 0
+        assert engine.stats.offloaded_bytes == 0
+        out = Probe.apply(anchor, log, hm.detach())
+        cpu_loss = torch.tanh(xc * 1.0).sum()
+    assert engine.stats.offloaded_bytes == 4 * 8 * 4  # the tanh output on the CPU only
+    meta_loss.backward()
+    out.backward()
+    cpu_loss.backward()
+    assert log[0] is not None and log[0].device.type == "meta"
+    assert w.grad is not None and w.grad.device.type == "meta"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
+def test_lesson6_default_device_on_a_cpu_only_machine() -> None:
+    """Lesson 6, default device: without CUDA, ``compute_device=None`` resolves to the CPU (documented test
+    mode), so the engine then copies CPU tensors; only an explicit device other than the tensors' avoids that."""
+    assert OffloadOptions.create("test").resolved_device() == torch.device("cpu")
+    engine = offload_activations(min_tensor_bytes=0, resident_tail_bytes=0)
+    x = torch.randn(16, 16, requires_grad=True)
+    with engine:
+        loss = torch.tanh(x * 1.0).sum()
+    loss.backward()
+    assert engine.stats.offloaded_bytes == 16 * 16 * 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_compute_device_without_cuda_fails_clearly() -> None:
+    """compute_device="cuda" on a machine without CUDA fails with an error naming compute_device (at creation or
+    on entering), not with torch's internal assertion, and leaves no hooks installed."""
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        engine = offload_activations(compute_device="cuda")
+        with engine:
+            pass
+    assert "compute_device" in str(info.value)
+    assert top_hooks() is None
+
+
+# ---------------------------------------------------------------------------------------------- lesson 7
+
+
+class ParamModel(nn.Module):
+    """Saves a weight transpose, an autocast weight cast and a buffer next to three activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(16, 32))
+        self.w2 = nn.Parameter(torch.randn(8, 16))
+        self.register_buffer("scale", torch.randn(16))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0 * 2.0  # saves nothing (scalar multiply)
+        h = x @ self.w.t()  # saves x (activation, 4x32 fp32) and w.t() (parameter view)
+        a = torch.tanh(h)  # saves a (activation, 4x16 fp32)
+        out = a * self.scale  # saves the buffer
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = F.linear(a, self.w2)  # saves bf16 a (activation, 4x16 bf16) and the bf16 cast of w2, transposed
+        return out.sum() + z.float().sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson7_parameters_views_casts_and_buffers_stay(mode: str) -> None:
+    """Lesson 7: parameters, ``weight.t()``, autocast casts of weights and (with ``model=``) buffers are never
+    offloaded; the offloaded bytes are exactly the activations', counted by hand. Without ``model=`` the buffer,
+    which nothing else identifies, is offloaded, so the count really depends on the rule."""
+    x0 = torch.randn(4, 32, requires_grad=True)
+    activations = 4 * 32 * 4 + 4 * 16 * 4 + 4 * 16 * 2
+    model = ParamModel()
+    model(x0).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for with_model, want in ((True, activations), (False, activations + 16 * 4)):
+        engine = make_engine(mode=mode, model=model if with_model else None)
+        model.zero_grad(set_to_none=True)
+        with engine:
+            loss = model(x0)
+        stats = engine.stats
+        assert stats.saved_tensors == 6
+        assert stats.offloaded_bytes == want
+        assert stats.eligible_bytes == want
+        loss.backward()
+        assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
+
+
+def test_lesson7_parameter_saved_directly_and_through_views() -> None:
+    """Lesson 7: a parameter saved as itself and through ``.t()``, ``[i]`` and ``expand`` is never offloaded, even
+    without ``model=``; a detached alias of it is recognised by storage once ``model=`` is given."""
+    layer = nn.Linear(8, 8, bias=False)
+    w = layer.weight
+    engine = make_engine()
+    restored = probe([w, w.t(), w[2], w.unsqueeze(0).expand(3, 8, 8)], engine)
+    assert engine.stats.saved_tensors == 4
+    assert engine.stats.offloaded_bytes == 0
+    assert all(t.data_ptr() == w.data_ptr() + t.storage_offset() * 4 for t in restored)
+    engine = make_engine(model=layer)
+    probe([w.detach(), w.detach().t()], engine)
+    assert engine.stats.saved_tensors == 2
+    assert engine.stats.offloaded_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------- lesson 9
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson9_several_forwards_before_one_backward(mode: str) -> None:
+    """Lesson 9: two forwards (in one window, and in two windows) before a single backward give the reference grads."""
+    case = CASES[1]  # transformer with SDPA
+    model = build(case)
+    batch = case.make_batch()
+    other = torch.roll(batch, 1, dims=-1)
+    model(batch).add(model(other)).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine = make_engine(mode=mode)
+
+    model.zero_grad(set_to_none=True)
+    with engine:
+        loss = model(batch) + model(other)
+    loss.backward()
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
+
+    model.zero_grad(set_to_none=True)
+    with engine:
+        first = model(batch)
+    with engine:
+        second = model(other)
+    assert engine.stats.offloaded_bytes > 0
+    (first + second).backward()
+    assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
+
+
+def test_lesson9_discarded_forward_does_not_disturb_next_step() -> None:
+    """Lesson 9: a forward whose graph never gets a backward, followed by a normal step, gives the reference grads,
+    and the step's stats are those of a clean step (nothing from the discarded forward is counted in them)."""
+    case = CASES[0]
+    model = build(case)
+    batch = case.make_batch()
+    expected = train_step(model, batch)
+    tail = 2048  # keeps the last saved tensors resident, so resident_bytes is non-zero
+    clean = make_engine(resident_tail_bytes=tail)
+    assert_same_grads(train_step(model, batch, clean), expected)
+    engine = make_engine(resident_tail_bytes=tail)
+    with engine:
+        model(batch)  # graph dropped at once
+    assert_same_grads(train_step(model, batch, engine), expected)
+    assert clean.stats.resident_bytes > 0
+    assert engine.stats.resident_bytes == clean.stats.resident_bytes
+    assert engine.stats.offloaded_bytes == clean.stats.offloaded_bytes
+
+
+@pytest.mark.parametrize("threshold", ["min_tensor_bytes", "no_offload"])
+def test_lesson9_discarded_graph_is_freed(threshold: str) -> None:
+    """Lesson 9/10: the graph of a forward that never gets a backward is freed once dropped, including saved
+    outputs the engine chose not to offload (below min_tensor_bytes, or under no_offload). A saved output handed
+    back to autograd as the very same tensor forms a cycle tensor -> grad_fn -> saved tensor that no gc frees."""
+    x = torch.randn(256, requires_grad=True)
+    if threshold == "min_tensor_bytes":
+        engine = make_engine(min_tensor_bytes=1 << 20)
+        with engine:
+            y = torch.tanh(x * 1.0)  # tanh saves its own output
+    else:
+        engine = make_engine()
+        with engine, no_offload():
+            y = torch.tanh(x * 1.0)
+    assert engine.stats.saved_tensors == 1
+    ref = StorageWeakRef(y.untyped_storage())
+    del y
+    gc.collect()
+    assert ref.expired(), "the dropped forward's saved output is still alive"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson9_retain_graph_backward_twice(mode: str) -> None:
+    """Lesson 9: ``backward(retain_graph=True)`` twice reads every offloaded tensor twice and gives the same grads
+    both times (the second backward's grads equal the first's, accumulated)."""
+    case = CASES[3]  # views: many views share one copy
+    model = build(case)
+    batch = case.make_batch()
+    loss = model(batch)
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss.backward()
+    twice = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    engine = make_engine(mode=mode)
+    model.zero_grad(set_to_none=True)
+    with engine:
+        loss = model(batch)
+    loss.backward(retain_graph=True)
+    assert_same_grads({n: p.grad.clone() for n, p in model.named_parameters()}, once)
+    loss.backward()
+    assert_same_grads({n: p.grad.clone() for n, p in model.named_parameters()}, twice)
+    assert engine.stats.fetched_on_demand_bytes == 2 * engine.stats.offloaded_bytes > 0
+
+
+# ---------------------------------------------------------------------------------------------- lesson 10
+
+
+def test_lesson10_exception_uninstalls_hooks_and_releases_host_memory(cpu_pool: HostPool) -> None:
+    """Lesson 10: an exception inside the block removes the hooks (a later forward outside is not offloaded) and
+    returns every host buffer of the failed step, even while its graph is still referenced."""
+    held_before = cpu_pool.in_use_bytes
+    engine = make_engine()
+    x = torch.randn(64, 64, requires_grad=True)
+    partial: list[torch.Tensor] = []
+    with pytest.raises(ValueError, match="boom"), engine:
+        partial.append(torch.tanh(torch.tanh(x * 1.0)))
+        assert cpu_pool.in_use_bytes > held_before
+        raise ValueError("boom")
+    assert top_hooks() is None
+    assert not engine.installed
+    assert cpu_pool.in_use_bytes == held_before
+    saved = engine.stats.saved_tensors
+    torch.tanh(x * 2.0).sum().backward()  # outside the block: no pack call
+    assert engine.stats.saved_tensors == saved
+    assert partial  # the failed step's graph is still referenced here
+
+
+def test_lesson10_reset_releases_host_memory(cpu_pool: HostPool) -> None:
+    """Lesson 10: ``reset()`` after a step that will not get its backward gives every host buffer back."""
+    held_before = cpu_pool.in_use_bytes
+    engine = make_engine()
+    x = torch.randn(64, 64, requires_grad=True)
+    with engine:
+        loss = torch.tanh(torch.tanh(x * 1.0)).sum()
+    assert cpu_pool.in_use_bytes > held_before
+    engine.reset()
+    assert cpu_pool.in_use_bytes == held_before
+    assert engine.stats.host_bytes_held == held_before
+    with pytest.raises(RuntimeError, match="released"):
+        loss.backward()
+
+
+def test_lesson10_unpacking_a_dropped_tensor_raises_clearly() -> None:
+    """Lesson 10: backward through a graph whose step raised is an explicit RuntimeError, not a read of reused
+    memory."""
+    engine = make_engine()
+    x = torch.randn(32, 32, requires_grad=True)
+    partial: list[torch.Tensor] = []
+    with pytest.raises(KeyError), engine:
+        partial.append(torch.tanh(x * 1.0))
+        raise KeyError("fail")
+    with pytest.raises(RuntimeError, match="raised an exception"):
+        partial[0].sum().backward()
+
+
+def test_lesson10_engine_works_after_a_failed_step() -> None:
+    """Lesson 10: after a step raised, the same engine runs the next step with reference grads and steady pool."""
+    case = CASES[0]
+    model = build(case)
+    batch = case.make_batch()
+    expected = train_step(model, batch)
+    engine = make_engine()
+    train_step(model, batch, engine)
+    with pytest.raises(ZeroDivisionError), engine:
+        model(batch)
+        _ = 1 / 0
+    assert_same_grads(train_step(model, batch, engine), expected)
+    assert engine.stats.host_allocations == 0
+    assert engine.stats.offloaded_bytes > 0
+
+
+def test_lesson10_exception_keeps_an_earlier_windows_graph() -> None:
+    """Lesson 9+10: a window that raised drops only its own state; a graph saved by an earlier, successful window
+    (gradient accumulation across windows) still backpropagates to the reference grads."""
+    x = torch.randn(32, 32, requires_grad=True)
+    torch.tanh(torch.tanh(x * 1.0)).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    engine = make_engine()
+    with engine:
+        loss = torch.tanh(torch.tanh(x * 1.0)).sum()
+    with pytest.raises(ValueError), engine:
+        torch.tanh(x * 3.0)
+        raise ValueError("second micro-batch failed")
+    loss.backward()
+    assert torch.equal(x.grad, expected)
+
+
+# ---------------------------------------------------------------------------------------------- lesson 13
+
+
+class SaveInput(torch.autograd.Function):
+    """Saves its input; backward returns ``grad * input`` so the gradient shows which bytes came back."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return grad * a
+
+
+def test_lesson13_freed_address_reused_by_a_new_tensor() -> None:
+    """Lesson 13: a saved tensor whose memory is freed (only its offloaded copy remains) and a new tensor allocated
+    at possibly the same address are two storages: each gets its own copy and its own values back."""
+    x = torch.randn(1024, requires_grad=True)
+    engine = make_engine()
+    ptrs = []
+    with engine:
+        outs = []
+        for scale in (2.0, 3.0, 5.0):
+            t = x * scale
+            ptrs.append(t.data_ptr())
+            outs.append(SaveInput.apply(t))
+            del t  # only the host copy holds its bytes now; the allocator may hand the address out again
+        loss = sum(o.sum() for o in outs)
+    assert engine.stats.offloaded_bytes == 3 * 1024 * 4
+    assert engine.stats.offloaded_tensors == 3
+    loss.backward()
+    got = x.grad.clone()
+    x.grad = None
+    sum(SaveInput.apply(x * scale).sum() for scale in (2.0, 3.0, 5.0)).backward()
+    assert torch.equal(got, x.grad)
+
+
+def test_lesson13_storage_identity_reused_after_graph_freed() -> None:
+    """Lesson 13: within one window, graphs are dropped until a new storage reuses the identity (StorageWeakRef key)
+    of one saved before; the new tensor must still get its own copy with its own values."""
+    x = torch.randn(256, requires_grad=True)
+    engine = make_engine()
+    seen: set[int] = set()
+    kept: torch.Tensor | None = None
+    with engine:
+        for i in range(200):
+            scale = float(i + 1)
+            t = x * scale
+            out = SaveInput.apply(t)
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            if key in seen:
+                kept = out
+                break
+            seen.add(key)
+            del out, t
+    assert kept is not None, "the allocator never reused a storage; the scenario was not exercised"
+    kept.sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    SaveInput.apply(x * scale).sum().backward()
+    assert torch.equal(got, x.grad)
+
+
+# ---------------------------------------------------------------------------------------------- lesson 14
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson14_checkpointed_region_only_its_inputs_reach_us(mode: str) -> None:
+    """Lesson 14: inside a non-reentrant checkpoint the checkpoint's hooks win; only the region's input reaches the
+    engine, so the offloaded bytes equal that input's bytes (and grads stay exact)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
+    x0 = torch.randn(16, 32, requires_grad=True)
+
+    def run(engine: OffloadEngine | None, use_checkpoint: bool) -> tuple[dict[str, torch.Tensor], int]:
+        block.zero_grad(set_to_none=True)
+        x0.grad = None
+        with maybe(engine):
+            h = x0 * 2.0  # not saved by anyone but the checkpoint
+            out = checkpoint(block, h, use_reentrant=False) if use_checkpoint else block(h)
+            loss = out.sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+        grads["x0"] = x0.grad.clone()
+        return grads, h.nbytes
+
+    expected, _ = run(None, True)
+    engine = make_engine(mode=mode)
+    grads, region_input_bytes = run(engine, True)
+    assert_same_grads(grads, expected)
+    assert engine.stats.offloaded_bytes == region_input_bytes
+    assert engine.stats.offloaded_tensors == 1
+    run(engine, False)
+    assert engine.stats.offloaded_bytes > region_input_bytes  # without checkpointing the block's tensors come too
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson14_checkpoint_model_grads(mode: str) -> None:
+    """Lesson 14: a model mixing plain layers with a checkpointed block offloads the region input and the plain
+    layers' activations, and its grads are exact."""
+    model = CheckpointModel()
+    batch = torch.randn(8, 32)
+    expected = train_step(model, batch)
+    engine = make_engine(mode=mode)
+    assert_same_grads(train_step(model, batch, engine), expected)
+    # pre: x (8x32); tanh output (region input, 8x32); post: relu output (8x32) and post's output for square
+    assert engine.stats.offloaded_bytes == 4 * 8 * 32 * 4
+
+
+# ---------------------------------------------------------------------------------------------- lesson 16
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson16_double_backward_saves_stay_resident(mode: str) -> None:
+    """Lesson 16: tensors saved while backward runs (``autograd.grad(create_graph=True)``) reach the hooks but are
+    not offloaded; the second-order grads equal the reference."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+
+    def second_order(engine: OffloadEngine | None) -> torch.Tensor:
+        w.grad = None
+        with maybe(engine):
+            y = torch.tanh(x @ w).pow(3).sum()
+            if engine is not None:
+                saved, offloaded = engine.stats.saved_tensors, engine.stats.offloaded_bytes
+                assert offloaded > 0
+            (g,) = torch.autograd.grad(y, w, create_graph=True)
+            if engine is not None:
+                assert engine.stats.saved_tensors > saved  # backward saved tensors through our hooks
+                assert engine.stats.offloaded_bytes == offloaded
+            g.square().sum().backward()
+        return w.grad.clone()
+
+    expected = second_order(None)
+    assert torch.equal(second_order(make_engine(mode=mode)), expected)
+
+
+def test_lesson16_reentrant_checkpoint_recompute_not_offloaded() -> None:
+    """Lesson 16: a reentrant checkpoint recomputes its region during backward; with backward inside the block those
+    saves reach the engine and stay on the device. Only the region input (saved in forward) is offloaded."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    x0 = torch.randn(4, 16, requires_grad=True)
+
+    def run(engine: OffloadEngine | None) -> dict[str, torch.Tensor]:
+        block.zero_grad(set_to_none=True)
+        with maybe(engine):
+            h = x0 * 2.0
+            loss = checkpoint(block, h, use_reentrant=True).sum()
+            if engine is not None:
+                assert engine.stats.offloaded_bytes == h.nbytes
+                saved = engine.stats.saved_tensors
+            loss.backward()
+            if engine is not None:
+                assert engine.stats.saved_tensors > saved  # the recompute's saves came through our hooks
+                assert engine.stats.offloaded_bytes == h.nbytes
+        return {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    expected = run(None)
+    assert_same_grads(run(make_engine()), expected)
+
+
+# ---------------------------------------------------------------------------------------------- lesson 15
+
+
+def _compiled_grads(
+    compiled: nn.Module, model: nn.Module, x: torch.Tensor, engine: OffloadEngine | None
+) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with maybe(engine):
+        loss = compiled(x).square().mean()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_compiled(backend: str) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
+    x = torch.randn(8, 32)
+    eager = _compiled_grads(model, model, x, None)
+    compiled = torch.compile(model, backend=backend)
+    without = _compiled_grads(compiled, model, x, None)
+    engine = make_engine()
+    for _ in range(2):
+        with_offload = _compiled_grads(compiled, model, x, engine)
+        assert engine.stats.offloaded_bytes > 0  # the hooks ran on the compiled module's saved tensors
+        assert_same_grads(with_offload, without)
+    for name, grad in eager.items():
+        torch.testing.assert_close(with_offload[name], grad, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_lesson15_compiled_module_aot_eager() -> None:
+    """Lesson 15: a module compiled with AOTAutograd (aot_eager backend) runs the hooks on its saved tensors at run
+    time; grads with offloading equal the compiled grads without it, bit for bit."""
+    _check_compiled("aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+def test_lesson15_compiled_module_inductor() -> None:
+    """Lesson 15: the same with the inductor backend (generated C++ kernels; slow on a cold cache)."""
+    _check_compiled("inductor")
+
+
+# ---------------------------------------------------------------------------------------------- lesson 12
+
+
+def _chain_loss(x: torch.Tensor, n: int = 10) -> torch.Tensor:
+    return tanh_chain(x, n)[-1].sum()
+
+
+def test_lesson12_host_full_error_names_the_limit(cpu_pool: HostPool) -> None:
+    """Lesson 12: with ``on_host_full="error"`` a full pool raises HostMemoryFull naming host_memory_limit and the
+    numbers; the failed window leaves no hooks and no held buffers."""
+    held = cpu_pool.in_use_bytes
+    limit = cpu_pool.reserved_bytes + (64 << 10)  # room for exactly one smallest-class buffer
+    engine = make_engine(host_memory_limit=limit, on_host_full="error")
+    x = torch.randn(64, 64, requires_grad=True)  # 16 KiB per saved tensor
+    with pytest.raises(HostMemoryFull) as info:
+        with engine:
+            _chain_loss(x)
+    err = info.value
+    assert err.limit == limit and err.needed == 64 << 10 and err.held == limit
+    assert "host_memory_limit" in str(err)
+    assert top_hooks() is None
+    assert cpu_pool.in_use_bytes == held
+
+
+def test_lesson12_host_full_message_shows_small_numbers() -> None:
+    """Lesson 12: the HostMemoryFull message renders its numbers readably at any scale (a 1 MiB limit must not read
+    as 0.00)."""
+    err = HostMemoryFull(needed=128 << 10, held=1 << 20, limit=1 << 20, available=8 << 30)
+    match = re.search(r"host_memory_limit=([0-9.]+)", str(err))
+    assert match is not None
+    assert float(match.group(1)) > 0, str(err)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lesson12_host_full_warns_once_and_keeps_tensors(cpu_pool: HostPool, mode: str) -> None:
+    """Lesson 12: with ``on_host_full="warn"`` exactly one RuntimeWarning is emitted however many tensors do not
+    fit; those stay resident (``resident_bytes > 0``) and grads are exact."""
+    x = torch.randn(64, 64, requires_grad=True)
+    _chain_loss(x).backward()
+    expected = x.grad.clone()
+    x.grad = None
+    limit = cpu_pool.reserved_bytes + 3 * (64 << 10)  # three buffers fit, seven tensors do not
+    engine = make_engine(mode=mode, host_memory_limit=limit, on_host_full="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with engine:
+            loss = _chain_loss(x)
+        loss.backward()
+    host_full = [w for w in caught if issubclass(w.category, RuntimeWarning) and "host_memory_limit" in str(w.message)]
+    assert len(host_full) == 1
+    assert engine.stats.offloaded_bytes == 3 * 64 * 64 * 4
+    assert engine.stats.resident_bytes == 7 * 64 * 64 * 4
+    assert torch.equal(x.grad, expected)
+
+
+# ---------------------------------------------------------------------------------------------- engine lifecycle
+
+
+def test_engine_cannot_be_entered_twice_at_once() -> None:
+    """Entering an active engine again raises a clear error; the outer window keeps offloading, and afterwards
+    nothing stays installed."""
+    engine = make_engine()
+    x = torch.randn(16, 16, requires_grad=True)
+    with engine:
+        hooks = top_hooks()
+        with pytest.raises(RuntimeError, match="already active"), engine:
+            pass
+        assert engine.installed and top_hooks() == hooks
+        loss = torch.tanh(x * 1.0).sum()
+    assert engine.stats.offloaded_bytes == 16 * 16 * 4
+    assert top_hooks() is None
+    loss.backward()
+
+
+def test_engine_reusable_across_many_steps(cpu_pool: HostPool) -> None:
+    """One engine entered step after step keeps exact grads, allocates host buffers only in the first step, and
+    holds no host memory between steps."""
+    case = CASES[2]
+    model = build(case)
+    batch = case.make_batch()
+    expected = train_step(model, batch)
+    held = cpu_pool.in_use_bytes
+    engine = make_engine(mode="streamed")
+    for step in range(4):
+        assert_same_grads(train_step(model, batch, engine), expected)
+        assert (engine.stats.host_allocations > 0) == (step == 0)
+        assert engine.stats.host_bytes_held == held
+        assert engine.stats.host_pinned_bytes >= engine.stats.offloaded_bytes
+
+
+def test_off_mode_counts_what_sync_would_offload() -> None:
+    """``mode="off"`` offloads nothing and "only counts what would be offloaded": its eligible_bytes equal the
+    eligible (and offloaded) bytes of the same forward in sync mode, shared storages counted once."""
+    qkv = nn.Linear(16, 48)
+    x = torch.randn(2, 10, 16)
+    counts = {}
+    for mode in ("off", "sync"):
+        engine = make_engine(mode=mode)
+        with engine:
+            q, k, v = qkv(x).chunk(3, dim=-1)
+            loss = (q * k * v).sum()
+        loss.backward()
+        counts[mode] = engine.stats.eligible_bytes
+        if mode == "sync":
+            assert engine.stats.offloaded_bytes == counts["sync"]
+    assert counts["off"] == counts["sync"]

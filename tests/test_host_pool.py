@@ -1,0 +1,135 @@
+"""The host buffer pool: size classes, reuse, the limit, and releasing idle memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_offload import HostMemoryFull, release_host_memory
+from lightning_offload.host_pool import HostPool, size_class
+from tests.models import make_engine, tanh_chain
+
+KiB = 1 << 10
+MiB = 1 << 20
+BIG = 1 << 40  # a limit that never binds
+
+
+def test_size_class_floor_is_64_kib() -> None:
+    """Every request up to 64 KiB (zero included) gets the 64 KiB class."""
+    for nbytes in (0, 1, 511, 4096, 64 * KiB):
+        assert size_class(nbytes) == 64 * KiB
+
+
+def test_size_classes_monotone_and_padding_bounded() -> None:
+    """Classes never shrink as requests grow, always fit the request, and above 64 KiB pad at most 12.5%."""
+    sizes = sorted(
+        {*range(64 * KiB - 3, 64 * KiB + 5000, 37), *(int(1.0905**i) for i in range(100, 330))}
+        | {(1 << p) + d for p in range(16, 36) for d in (-1, 0, 1)}
+    )
+    previous = 0
+    for nbytes in sizes:
+        cls = size_class(nbytes)
+        assert cls >= nbytes
+        assert cls >= previous
+        if nbytes > 64 * KiB:
+            assert cls - nbytes <= nbytes / 8, (nbytes, cls)
+        previous = cls
+
+
+def test_size_classes_eight_per_octave() -> None:
+    """Between 1 MiB and 2 MiB there are exactly 8 classes, the top one being 2 MiB (powers of two are exact)."""
+    classes = {size_class(n) for n in range(MiB + 1, 2 * MiB + 1, 997)} | {size_class(2 * MiB)}
+    assert len(classes) == 8
+    assert max(classes) == 2 * MiB
+    assert size_class(4 * MiB) == 4 * MiB
+
+
+def test_acquire_release_reuses_the_same_buffer() -> None:
+    """A released buffer is handed out again for any request of its class; allocations stay flat."""
+    pool = HostPool(pinned=False)
+    buf, ready = pool.acquire(100 * KiB, BIG)
+    assert ready is None
+    assert buf.dtype == torch.uint8 and buf.numel() == size_class(100 * KiB)
+    assert (pool.allocations, pool.reserved_bytes, pool.in_use_bytes) == (1, buf.numel(), buf.numel())
+    pool.release(buf, None)
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == buf.numel()
+    again, _ = pool.acquire(size_class(100 * KiB) - 5, BIG)  # same class, different request
+    assert again.data_ptr() == buf.data_ptr()
+    assert pool.allocations == 1
+    other, _ = pool.acquire(100 * KiB, BIG)  # the class's only buffer is in use: a new one
+    assert other.data_ptr() != again.data_ptr()
+    assert pool.allocations == 2 and pool.in_use_bytes == 2 * buf.numel()
+
+
+def test_limit_raises_host_memory_full() -> None:
+    """A new buffer past the limit raises HostMemoryFull with the numbers; the failed request changes nothing."""
+    pool = HostPool(pinned=False)
+    pool.acquire(64 * KiB, 128 * KiB)
+    pool.acquire(64 * KiB, 128 * KiB)
+    with pytest.raises(HostMemoryFull) as info:
+        pool.acquire(1, 128 * KiB)
+    err = info.value
+    assert (err.needed, err.held, err.limit) == (64 * KiB, 128 * KiB, 128 * KiB)
+    assert err.available > 0
+    assert "host_memory_limit" in str(err)
+    assert (pool.allocations, pool.reserved_bytes, pool.in_use_bytes) == (2, 128 * KiB, 128 * KiB)
+
+
+def test_limit_evicts_idle_buffers_of_other_classes() -> None:
+    """When a new class would cross the limit, idle buffers of other classes are dropped to make room."""
+    pool = HostPool(pinned=False)
+    small, _ = pool.acquire(64 * KiB, 256 * KiB)
+    pool.release(small, None)
+    big, _ = pool.acquire(200 * KiB, 256 * KiB)  # 208 KiB class: fits only once the idle 64 KiB goes
+    assert big.numel() == size_class(200 * KiB)
+    assert pool.reserved_bytes == big.numel() == pool.in_use_bytes
+
+
+def test_clear_drops_idle_buffers_only() -> None:
+    """``clear`` frees idle buffers and leaves buffers in use with their owners."""
+    pool = HostPool(pinned=False)
+    held, _ = pool.acquire(64 * KiB, BIG)
+    idle, _ = pool.acquire(128 * KiB, BIG)
+    pool.release(idle, None)
+    pool.clear()
+    assert pool.reserved_bytes == pool.in_use_bytes == held.numel()
+    pool.release(held, None)
+    pool.clear()
+    assert pool.reserved_bytes == 0
+
+
+def test_release_host_memory_after_training_steps(cpu_pool: HostPool) -> None:
+    """After steps finish, ``release_host_memory()`` frees the pool's idle buffers and reports their bytes; the next
+    step allocates again."""
+    engine = make_engine()
+    x = torch.randn(64, 64, requires_grad=True)
+    for _ in range(2):
+        with engine:
+            loss = tanh_chain(x, 4)[-1].sum()
+        loss.backward()
+    reserved = cpu_pool.reserved_bytes
+    idle = reserved - cpu_pool.in_use_bytes
+    assert idle >= 4 * 64 * KiB
+    assert release_host_memory() == idle
+    assert cpu_pool.reserved_bytes == reserved - idle
+    assert release_host_memory() == 0
+    with engine:
+        loss = tanh_chain(x, 4)[-1].sum()
+    loss.backward()
+    assert engine.stats.host_allocations == 4
+
+
+def test_engine_steady_state_allocates_nothing(cpu_pool: HostPool) -> None:
+    """Steps of the same shapes reuse pooled buffers: allocations only in the first step, none held in between."""
+    engine = make_engine()
+    x = torch.randn(64, 64, requires_grad=True)
+    allocations = []
+    for _ in range(3):
+        held = cpu_pool.in_use_bytes
+        with engine:
+            loss = tanh_chain(x, 5)[-1].sum()
+        assert cpu_pool.in_use_bytes == held + 5 * 64 * KiB
+        loss.backward()
+        assert cpu_pool.in_use_bytes == held
+        allocations.append(engine.stats.host_allocations)
+    assert allocations == [5, 0, 0]

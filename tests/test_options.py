@@ -1,0 +1,123 @@
+"""Option validation: every bad argument is refused up front, with a message naming it and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_offload import OffloadOptions, offload_activations
+from lightning_offload.options import MODES, ON_HOST_FULL
+from tests.models import top_hooks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"mode": "fast"}, ValueError, ["mode='fast'", *MODES]),
+        ({"mode": None}, ValueError, ["mode=None", *MODES]),
+        ({"on_host_full": "x"}, ValueError, ["on_host_full='x'", *ON_HOST_FULL]),
+        ({"min_tensor_bytes": -1}, ValueError, ["min_tensor_bytes=-1", ">= 0"]),
+        ({"min_tensor_bytes": 1.5}, ValueError, ["min_tensor_bytes=1.5", ">= 0"]),
+        ({"min_tensor_bytes": True}, ValueError, ["min_tensor_bytes=True"]),
+        ({"resident_tail_bytes": None}, ValueError, ["resident_tail_bytes=None", ">= 0"]),
+        ({"prefetch_bytes": "1GB"}, ValueError, ["prefetch_bytes='1GB'"]),
+        ({"max_inflight_bytes": -5}, ValueError, ["max_inflight_bytes=-5", "or None"]),
+        ({"max_offload_bytes": -1}, ValueError, ["max_offload_bytes=-1", "or None"]),
+        ({"host_memory_limit": 2.5}, ValueError, ["host_memory_limit=2.5", "or None"]),
+        ({"compute_device": "tpu"}, ValueError, ["compute_device='tpu'", "cuda", "cpu"]),
+        ({"compute_device": "meta"}, ValueError, ["compute_device='meta'", "cuda", "cpu"]),
+        ({"compute_device": 3.0}, ValueError, ["compute_device=3.0"]),
+        ({"measure_copies": "yes"}, TypeError, ["measure_copies='yes'", "True or False"]),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], words: list[str]) -> None:
+    """Each bad value raises the stated error, naming the caller, the argument with its value, and what is allowed;
+    the same check guards ``OffloadOptions.create`` and ``offload_activations``."""
+    for caller, make in (
+        ("offload_activations", lambda: offload_activations(**kwargs)),
+        ("my_caller", lambda: OffloadOptions.create("my_caller", **kwargs)),
+    ):
+        with pytest.raises(error) as info:
+            make()
+        message = str(info.value)
+        assert message.startswith(f"{caller}(")
+        for word in words:
+            assert word in message, (word, message)
+    assert top_hooks() is None
+
+
+def test_unknown_argument_lists_the_allowed_ones() -> None:
+    """An unknown keyword raises TypeError naming it and listing every allowed option."""
+    with pytest.raises(TypeError) as info:
+        OffloadOptions.create("my_caller", mode="sync", prefetch=1)
+    message = str(info.value)
+    assert "my_caller()" in message and "'prefetch'" in message
+    for field in dataclasses.fields(OffloadOptions):
+        assert field.name in message
+    with pytest.raises(TypeError):
+        offload_activations(prefetch=1)  # type: ignore[call-arg]
+
+
+def test_model_must_be_a_module() -> None:
+    """``model=`` that is not a Module raises TypeError naming model."""
+    with pytest.raises(TypeError, match=r"model=list"):
+        offload_activations(model=[nn.Linear(2, 2)])  # type: ignore[arg-type]
+
+
+def test_checkpoint_needs_a_model_and_changes_nothing_without_it() -> None:
+    """``checkpoint=`` without ``model=`` raises ValueError naming checkpoint, before anything is applied."""
+    with pytest.raises(ValueError, match=r"checkpoint='auto'.*model="):
+        offload_activations(checkpoint="auto")
+
+
+def test_valid_options_round_trip() -> None:
+    """Good values are kept as given (devices parsed) and the result is immutable."""
+    options = OffloadOptions.create(
+        "t",
+        mode="off",
+        compute_device="cpu",
+        min_tensor_bytes=0,
+        resident_tail_bytes=7,
+        max_offload_bytes=None,
+        max_inflight_bytes=None,
+        prefetch_bytes=1,
+        host_memory_limit=10,
+        on_host_full="error",
+        measure_copies=True,
+    )
+    assert options.mode == "off" and options.compute_device == torch.device("cpu")
+    assert (options.min_tensor_bytes, options.resident_tail_bytes, options.prefetch_bytes) == (0, 7, 1)
+    assert options.max_inflight_bytes is None and options.host_memory_limit == 10
+    assert options.on_host_full == "error" and options.measure_copies is True
+    assert options.resolved_device() == torch.device("cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.mode = "sync"  # type: ignore[misc]
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    """Defaults: streamed, 1 MiB minimum, 256 MiB resident tail, warn when the host is full, no timing."""
+    options = OffloadOptions.create("t")
+    assert options.mode == "streamed"
+    assert options.min_tensor_bytes == 1 << 20
+    assert options.resident_tail_bytes == 256 << 20
+    assert options.on_host_full == "warn"
+    assert options.max_offload_bytes is None and options.host_memory_limit is None
+    assert options.measure_copies is False
+    assert options == OffloadOptions()
+
+
+def test_failed_creation_leaves_no_engine_state() -> None:
+    """A rejected argument creates nothing: no hooks installed, and a valid engine created afterwards works."""
+    with pytest.raises(ValueError):
+        offload_activations(compute_device="cpu", mode="fast")
+    assert top_hooks() is None
+    engine = offload_activations(compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0)
+    x = torch.randn(8, 8, requires_grad=True)
+    with engine:
+        loss = torch.tanh(x * 1.0).sum()
+    loss.backward()
+    assert engine.stats.offloaded_bytes == 8 * 8 * 4
