@@ -1,0 +1,718 @@
+"""CPU tests of ``ActivationOffloadCallback`` inside a real ``lightning.pytorch.Trainer``.
+
+With ``compute_device="cpu"`` the engine treats CPU tensors as offloadable (it copies them into separate host
+buffers), so every Lightning step shape can be exercised without a GPU. Each test trains a tiny model for two
+optimizer steps and compares the parameters bit for bit with a run without the callback; the leak checks look at
+the saved-tensor hook stack and at the process-wide CPU host pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import gc
+import pickle
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_offload import ActivationOffloadCallback, OffloadStats
+from lightning_offload.host_pool import pool_for
+from tests.models import CheckpointModel
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*train_dataloader yielded None:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*training_step. returned .None.:UserWarning"),
+]
+
+CPU = torch.device("cpu")
+WIDTH = 32
+BATCH = 8
+
+
+def top_hooks() -> object:
+    """The innermost default saved-tensor hooks of this thread, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def cpu_pool_in_use() -> int:
+    """Bytes of CPU host-pool buffers handed out and not given back."""
+    return pool_for(CPU).in_use_bytes
+
+
+@pytest.fixture(autouse=True)
+def _pool_starts_empty() -> Iterator[None]:
+    """Garbage of earlier tests (graphs kept alive by reference cycles) may still hold pooled buffers."""
+    if cpu_pool_in_use():
+        gc.collect()
+    assert cpu_pool_in_use() == 0, "an earlier test left host buffers in use"
+    yield
+    assert torch.is_grad_enabled(), "grad mode left disabled"
+
+
+def offload_callback(**kwargs: Any) -> ActivationOffloadCallback:
+    """A callback that offloads every eligible CPU tensor (no size threshold, no resident tail)."""
+    options: dict[str, Any] = {"compute_device": "cpu", "min_tensor_bytes": 0, "resident_tail_bytes": 0}
+    options.update(kwargs)
+    return ActivationOffloadCallback(**options)
+
+
+def batches(n: int, shape: tuple[int, ...] = (BATCH, WIDTH), seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) for _ in range(n)]
+
+
+def loader(data: list[Any]) -> DataLoader:
+    return DataLoader(data, batch_size=None)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    """Linear / GELU / LayerNorm / ReLU: saves inputs, outputs and norm statistics."""
+
+    def __init__(self, width: int = WIDTH, hidden: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(F.gelu(self.fc1(x)))
+        h = torch.relu(self.fc2(h))
+        return self.fc3(h).pow(2).mean()
+
+
+class Block(nn.Module):
+    """A residual MLP block; many of them in a ModuleList make ``checkpoint="auto"`` pick the list."""
+
+    def __init__(self, dim: int = WIDTH, hidden: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+class BlockStack(nn.Module):
+    """Blocks only, and a loss that saves nothing (``sum``): under checkpointing the block inputs are all that
+    autograd saves outside the checkpointed regions."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.scale = nn.Linear(WIDTH, WIDTH)  # outside the list: ``auto`` must not checkpoint it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return self.scale.weight.sum() * 0 + h.sum()
+
+
+class FailInBackward(torch.autograd.Function):
+    """Saves its input (so the engine offloads it) and raises in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed on purpose")
+
+
+class FailingMLP(MLP):
+    """``MLP`` with its first activation routed through ``FailInBackward`` while ``fail`` is set."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        if self.fail:
+            h = FailInBackward.apply(h)
+        h = torch.relu(self.fc2(self.norm(h)))
+        return self.fc3(h).pow(2).mean()
+
+
+def build_net(factory: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return factory()
+
+
+class LitNet(pl.LightningModule):
+    """Trains ``net`` (which returns its loss) with SGD; records every forward and every gradient.
+
+    ``forward_log`` holds, per forward in ``training_step``, whether saved-tensor hooks were installed and how many
+    bytes the offload engine copied during that forward (when ``offload`` is set and has an engine).
+    """
+
+    def __init__(self, factory: Callable[[], nn.Module] = MLP, offload: ActivationOffloadCallback | None = None):
+        super().__init__()
+        self.net = build_net(factory)
+        self.offload = offload
+        self.forward_log: list[tuple[bool, int]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def forward_logged(self, batch: torch.Tensor) -> torch.Tensor:
+        engine = self.offload.engine if self.offload is not None else None
+        before = engine.collect_stats(wait=False).offloaded_bytes if engine is not None else 0
+        hooked = top_hooks() is not None
+        loss = self.net(batch)
+        after = engine.collect_stats(wait=False).offloaded_bytes if engine is not None else 0
+        self.forward_log.append((hooked, after - before))
+        return loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        return self.forward_logged(batch)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None})
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Recorder(pl.Callback):
+    """Listed after the offload callback: what each training batch left behind once it ended."""
+
+    def __init__(self, offload: ActivationOffloadCallback) -> None:
+        self.offload = offload
+        self.stats: list[OffloadStats] = []
+        self.hooks_after_batch: list[bool] = []
+        self.in_use_after_batch: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.stats.append(copy.copy(self.offload.stats))
+        self.hooks_after_batch.append(top_hooks() is not None)
+        self.in_use_after_batch.append(cpu_pool_in_use())
+
+
+def fit(
+    tmp_path: Path,
+    module: pl.LightningModule,
+    data: list[Any],
+    callbacks: list[pl.Callback] | None = None,
+    val_data: list[Any] | None = None,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 2,
+        "logger": CSVLogger(tmp_path),
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+    }
+    kwargs.update(trainer_kwargs)
+    trainer = pl.Trainer(callbacks=callbacks or [], **kwargs)
+    trainer.fit(module, loader(data), loader(val_data) if val_data is not None else None)
+    return trainer
+
+
+def assert_same_training(got: LitNet, want: LitNet) -> None:
+    """Bit-for-bit equal parameters and per-step gradients."""
+    assert len(got.grads) == len(want.grads) > 0
+    for step, (g, w) in enumerate(zip(got.grads, want.grads, strict=True)):
+        assert g.keys() == w.keys(), step
+        for name in w:
+            assert torch.equal(g[name], w[name]), f"step {step} grad {name}: {(g[name] - w[name]).abs().max()}"
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"{name}: max abs diff {(a - b).abs().max().item()}"
+
+
+def assert_clean(callback: ActivationOffloadCallback) -> None:
+    """After fit: no hooks, nothing held in the host pool, the engine torn down."""
+    assert top_hooks() is None, "saved-tensor hooks left installed"
+    gc.collect()
+    assert cpu_pool_in_use() == 0, "host buffers still held"
+    assert callback.engine is None, "engine not torn down"
+
+
+def run_pair(
+    tmp_path: Path,
+    make_module: Callable[[ActivationOffloadCallback | None], LitNet],
+    data: list[Any],
+    callback: ActivationOffloadCallback,
+    **trainer_kwargs: Any,
+) -> tuple[LitNet, LitNet, Recorder]:
+    """Train once without the callback and once with it (plus a ``Recorder``); same data, same trainer args."""
+    plain = make_module(None)
+    fit(tmp_path / "plain", plain, data, **trainer_kwargs)
+    offloaded = make_module(callback)
+    recorder = Recorder(callback)
+    fit(tmp_path / "offload", offloaded, data, [callback, recorder], **trainer_kwargs)
+    return plain, offloaded, recorder
+
+
+# ---------------------------------------------------------------------------------------------- step shapes
+
+
+@pytest.mark.parametrize("mode", ["streamed", "sync"])
+def test_automatic_optimization(tmp_path: Path, mode: str) -> None:
+    callback = offload_callback(mode=mode)
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LitNet(offload=cb), batches(2), callback)
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.grads) == 2
+    assert callback.stats.offloaded_bytes > 0
+    assert all(s.offloaded_bytes > 0 for s in recorder.stats)
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert recorder.hooks_after_batch == [False, False]
+    assert recorder.in_use_after_batch == [0, 0]
+    assert_clean(callback)
+
+
+def test_gradient_accumulation(tmp_path: Path) -> None:
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(
+        tmp_path, lambda cb: LitNet(offload=cb), batches(4), callback, accumulate_grad_batches=2
+    )
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.grads) == 2 and len(offloaded.forward_log) == 4
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert [s.offloaded_bytes > 0 for s in recorder.stats] == [True] * 4
+    assert recorder.hooks_after_batch == [False] * 4
+    assert recorder.in_use_after_batch == [0] * 4
+    assert_clean(callback)
+
+
+class ManualLit(LitNet):
+    """Manual optimization: two forwards and two ``manual_backward`` calls per batch, two optimizers.
+
+    The second forward runs after the first backward, so the hooks must stay installed until the batch ends.
+    """
+
+    def __init__(self, offload: ActivationOffloadCallback | None = None) -> None:
+        super().__init__(MLP, offload)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_a, opt_b = self.optimizers()
+        self.manual_backward(self.forward_logged(batch))
+        self.manual_backward(self.forward_logged(batch.flip(0) * 0.5))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        first = [*self.net.fc1.parameters(), *self.net.norm.parameters()]
+        rest = [*self.net.fc2.parameters(), *self.net.fc3.parameters()]
+        return torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+
+
+def test_manual_optimization(tmp_path: Path) -> None:
+    callback = offload_callback()
+    # Every optimizer.step() counts towards max_steps in manual optimization: two batches, two optimizers each.
+    plain, offloaded, recorder = run_pair(tmp_path, ManualLit, batches(2), callback, max_steps=-1, max_epochs=1)
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.grads) == 4  # two optimizers x two batches
+    assert len(offloaded.forward_log) == 4
+    # The forward after the first backward of each batch is offloaded too.
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log), offloaded.forward_log
+    assert recorder.hooks_after_batch == [False, False]
+    assert recorder.in_use_after_batch == [0, 0]
+    assert callback.stats.offloaded_bytes > 0
+    assert_clean(callback)
+
+
+class LBFGSLit(LitNet):
+    """LBFGS: Lightning's closure re-runs forward and backward several times within one batch."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
+
+
+def test_lbfgs_offloads_every_closure_call(tmp_path: Path) -> None:
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LBFGSLit(offload=cb), batches(2), callback)
+    assert_same_training(offloaded, plain)
+    assert len(plain.forward_log) == len(offloaded.forward_log) > 2  # several closure calls per batch
+    assert recorder.hooks_after_batch == [False, False]
+    assert recorder.in_use_after_batch == [0, 0]
+    assert_clean(callback)
+    # Every closure call, not only the first of each batch, runs under the hooks and offloads.
+    assert all(hooked for hooked, _ in offloaded.forward_log), offloaded.forward_log
+    assert all(nbytes > 0 for _, nbytes in offloaded.forward_log), offloaded.forward_log
+
+
+class SometimesNoneLit(LitNet):
+    """``training_step`` runs forward on every batch but returns None on odd ones (no backward)."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss = self.forward_logged(batch)
+        return None if batch_idx % 2 else loss
+
+
+def test_training_step_returning_none(tmp_path: Path) -> None:
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(
+        tmp_path, lambda cb: SometimesNoneLit(offload=cb), batches(4), callback, max_steps=-1, max_epochs=1
+    )
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.forward_log) == 4
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    # The graphs of the None batches were dropped without backward: their host copies went back to the pool.
+    assert recorder.hooks_after_batch == [False] * 4
+    assert recorder.in_use_after_batch == [0] * 4
+    assert all(s.offloaded_bytes > 0 for s in recorder.stats)
+    assert_clean(callback)
+
+
+def test_bf16_mixed(tmp_path: Path) -> None:
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(
+        tmp_path, lambda cb: LitNet(offload=cb), batches(2), callback, precision="bf16-mixed"
+    )
+    assert_same_training(offloaded, plain)
+    assert callback.stats.offloaded_bytes > 0
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert recorder.in_use_after_batch == [0, 0]
+    assert_clean(callback)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="precision='16-mixed' needs CUDA (Lightning's fp16 AMP has no CPU backend); this test runs on a GPU",
+)
+def test_16_mixed_on_cuda(tmp_path: Path) -> None:
+    data = batches(2)
+    plain = LitNet()
+    fit(tmp_path / "plain", plain, data, accelerator="cuda", precision="16-mixed")
+    callback = ActivationOffloadCallback(min_tensor_bytes=0, resident_tail_bytes=0)  # compute_device: the GPU
+    offloaded = LitNet()
+    fit(tmp_path / "offload", offloaded, data, [callback], accelerator="cuda", precision="16-mixed")
+    assert_same_training(offloaded, plain)
+    assert callback.stats.offloaded_bytes > 0
+    assert top_hooks() is None and callback.engine is None
+
+
+def test_non_reentrant_checkpoint_in_model(tmp_path: Path) -> None:
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LitNet(CheckpointModel, cb), batches(2), callback)
+    assert_same_training(offloaded, plain)
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert recorder.in_use_after_batch == [0, 0]
+    assert_clean(callback)
+
+
+def test_checkpoint_auto_offloads_only_block_inputs(tmp_path: Path) -> None:
+    callback = offload_callback(checkpoint="auto")
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LitNet(BlockStack, cb), batches(2), callback)
+    assert_same_training(offloaded, plain)
+    # Only the three block inputs (each BATCH x WIDTH float32: the batch, then each block's output) are saved
+    # outside the checkpointed blocks; the blocks' insides are recomputed in backward.
+    block_input_bytes = BATCH * WIDTH * 4
+    expected = len(offloaded.net.blocks) * block_input_bytes
+    assert [s.offloaded_bytes for s in recorder.stats] == [expected, expected]
+    assert [nbytes for _, nbytes in offloaded.forward_log] == [expected, expected]
+    # Without ``checkpoint`` the same model offloads far more.
+    uncheckpointed = offload_callback()
+    fit(tmp_path / "nockpt", LitNet(BlockStack, uncheckpointed), batches(2), [uncheckpointed])
+    assert uncheckpointed.stats.offloaded_bytes > 3 * expected
+    assert_clean(callback)
+
+
+class ConfigureModelLit(LitNet):
+    """Builds its network in ``configure_model``, Lightning's hook for large and sharded models.
+
+    Lightning calls callbacks' ``setup`` first, then the module's ``setup``, then ``configure_model``.
+    """
+
+    def __init__(self, offload: ActivationOffloadCallback | None = None) -> None:
+        super().__init__(BlockStack, offload)
+        del self.net
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = build_net(BlockStack)
+
+
+def test_checkpoint_auto_with_model_built_in_configure_model(tmp_path: Path) -> None:
+    callback = offload_callback(checkpoint="auto")
+    plain, offloaded, recorder = run_pair(tmp_path, ConfigureModelLit, batches(2), callback)
+    assert_same_training(offloaded, plain)
+    expected = len(offloaded.net.blocks) * BATCH * WIDTH * 4  # only the block inputs, as above
+    assert [s.offloaded_bytes for s in recorder.stats] == [expected, expected]
+    assert_clean(callback)
+
+
+class ValidatingLit(LitNet):
+    """Validation inside training: records whether hooks were installed while it ran, and what the engine saw."""
+
+    def __init__(self, offload: ActivationOffloadCallback | None = None) -> None:
+        super().__init__(MLP, offload)
+        self.val_hooked: list[bool] = []
+        self.engine_saved_during_val: list[int] = []
+
+    def _saved(self) -> int:
+        engine = self.offload.engine if self.offload is not None else None
+        return engine.collect_stats(wait=False).saved_tensors if engine is not None else 0
+
+    def on_validation_start(self) -> None:
+        self._saved_at_start = self._saved()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_hooked.append(top_hooks() is not None)
+        with torch.enable_grad():  # a graph is built (saved tensors exist) even in validation
+            loss = self.net(batch.requires_grad_())
+        self.log("val_loss", loss.detach())
+
+    def on_validation_end(self) -> None:
+        self.engine_saved_during_val.append(self._saved() - self._saved_at_start)
+
+
+def test_validation_during_training(tmp_path: Path) -> None:
+    callback = offload_callback()
+    val = batches(3, seed=1)
+    plain, offloaded, _ = run_pair(
+        tmp_path,
+        ValidatingLit,
+        batches(2),
+        callback,
+        val_data=val,
+        val_check_interval=1,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+    )
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.val_hooked) == 1 + 2 * 2  # sanity check, then two batches after each training step
+    assert not any(offloaded.val_hooked)
+    assert offloaded.engine_saved_during_val and not any(offloaded.engine_saved_during_val)
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert callback.stats.offloaded_bytes > 0
+    assert_clean(callback)
+
+
+def test_dataloader_yielding_none(tmp_path: Path) -> None:
+    b = batches(3)
+    data = [b[0], None, b[1], b[2]]  # None skips on_train_batch_start and training_step, not on_train_batch_end
+    callback = offload_callback()
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LitNet(offload=cb), data, callback)
+    assert_same_training(offloaded, plain)
+    assert len(offloaded.forward_log) == 2
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert recorder.hooks_after_batch == [False] * 3
+    assert recorder.in_use_after_batch == [0] * 3
+    assert_clean(callback)
+
+
+def test_dataloader_yielding_none_reports_nothing_offloaded(tmp_path: Path) -> None:
+    """``stats`` is documented as what the latest training batch offloaded; a None batch offloaded nothing."""
+    b = batches(2)
+    callback = offload_callback()
+    module = LitNet(offload=callback)
+    recorder = Recorder(callback)
+    fit(tmp_path, module, [b[0], None, b[1]], [callback, recorder])
+    assert [s.offloaded_bytes > 0 for s in recorder.stats] == [True, False, True]
+
+
+class SkipRestOfEpochLit(LitNet):
+    """``on_train_batch_start`` returns -1 on the second batch of every epoch: the rest of the epoch is skipped
+    without ``on_train_batch_end`` (the offload callback's ``on_train_batch_start`` has run by then; callbacks
+    run before the module)."""
+
+    def __init__(self, offload: ActivationOffloadCallback | None = None) -> None:
+        super().__init__(MLP, offload)
+        self.hooked_at_epoch_end: list[bool] = []
+        self.skipped = 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        if batch_idx == 1:
+            self.skipped += 1
+            return -1
+        return None
+
+    def on_train_epoch_end(self) -> None:
+        self.hooked_at_epoch_end.append(top_hooks() is not None)
+
+
+def test_on_train_batch_start_minus_one(tmp_path: Path) -> None:
+    callback = offload_callback()
+    # Epoch 0: batch 0 steps, batch 1 returns -1; epoch 1: batch 0 steps and max_steps=2 ends the fit.
+    plain, offloaded, recorder = run_pair(tmp_path, SkipRestOfEpochLit, batches(3), callback, max_epochs=5)
+    assert_same_training(offloaded, plain)
+    assert offloaded.skipped == 1 and len(offloaded.forward_log) == 2
+    assert offloaded.hooked_at_epoch_end == [False, False]
+    assert recorder.hooks_after_batch == [False, False]
+    assert all(hooked and nbytes > 0 for hooked, nbytes in offloaded.forward_log)
+    assert_clean(callback)
+
+
+# ---------------------------------------------------------------------------------------------- exceptions
+
+
+class RaisingLit(LitNet):
+    """Raises on batch 1: in ``training_step`` after the forward, or in backward (``FailInBackward``)."""
+
+    def __init__(self, offload: ActivationOffloadCallback | None, where: str) -> None:
+        super().__init__(FailingMLP, offload)
+        self.where = where
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.net.fail = self.where == "backward" and batch_idx == 1
+        loss = self.forward_logged(batch)
+        if self.where == "training_step" and batch_idx == 1:
+            raise RuntimeError("training_step failed on purpose")
+        return loss
+
+
+@pytest.mark.parametrize("where", ["training_step", "backward"])
+def test_exception_leaves_nothing_behind(tmp_path: Path, where: str) -> None:
+    callback = offload_callback()
+    module = RaisingLit(callback, where)
+    with pytest.raises(RuntimeError, match=f"{where} failed on purpose"):
+        fit(tmp_path / "raise", module, batches(3), [callback], max_steps=3)
+    assert len(module.forward_log) == 2 and all(h and n > 0 for h, n in module.forward_log)
+    assert top_hooks() is None, "saved-tensor hooks left installed after the exception"
+    # A fresh forward is not packed: tanh saves its output, and without hooks autograd hands back that very
+    # storage (an offloaded one would come back from a separate host buffer).
+    y = torch.tanh(torch.randn(4, 4, requires_grad=True))
+    assert y.grad_fn._saved_result.data_ptr() == y.data_ptr()
+    gc.collect()
+    assert cpu_pool_in_use() == 0, "host buffers still held after the exception"
+    engine = callback.engine  # teardown does not run after an exception; on_exception must have reset it
+    if engine is not None:
+        assert not engine.installed
+        assert not engine._pending and not engine._all_copies and not engine._fetch_queue and not engine._segment
+        assert engine.collect_stats(wait=False).host_bytes_held == 0
+    # The same callback trains normally afterwards, bit for bit like a plain run.
+    plain = LitNet(FailingMLP)
+    fit(tmp_path / "plain", plain, batches(2))
+    again = LitNet(FailingMLP, callback)
+    fit(tmp_path / "again", again, batches(2), [callback])
+    assert_same_training(again, plain)
+    assert callback.stats.offloaded_bytes > 0
+    assert_clean(callback)
+
+
+# ---------------------------------------------------------------------------------------------- logging
+
+
+def metrics_rows(root: Path) -> list[dict[str, str]]:
+    (path,) = root.rglob("metrics.csv")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_logged_metrics_respect_log_every_n_steps(tmp_path: Path) -> None:
+    callback = offload_callback(measure_copies=True)
+    fit(tmp_path, LitNet(offload=callback), batches(4), [callback], max_steps=4, log_every_n_steps=2)
+    rows = metrics_rows(tmp_path)
+    keys = set().union(*(row.keys() for row in rows))
+    assert {"offload/offloaded_gib", "offload/host_pinned_gib"} <= keys
+    # CUDA-only metrics are not logged on the CPU: peaks need the CUDA allocator, stall and bandwidth CUDA events.
+    cuda_only = {"offload/peak_allocated_gib", "offload/peak_reserved_gib", "offload/stall_ms"}
+    cuda_only |= {"offload/d2h_gbps", "offload/h2d_gbps"}
+    assert not cuda_only & keys
+    logged = [row for row in rows if row.get("offload/offloaded_gib")]
+    assert [int(row["step"]) for row in logged] == [1, 3]  # every second of four steps
+    for row in logged:
+        assert float(row["offload/offloaded_gib"]) > 0
+        assert float(row["offload/host_pinned_gib"]) > 0
+    assert float(logged[-1]["offload/offloaded_gib"]) == pytest.approx(callback.stats.offloaded_bytes / 2**30)
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+def test_cpu_without_compute_device_warns_once_and_does_nothing(tmp_path: Path) -> None:
+    data = batches(2)
+    plain = LitNet()
+    fit(tmp_path / "plain", plain, data)
+    callback = ActivationOffloadCallback(min_tensor_bytes=0, resident_tail_bytes=0)
+    module = LitNet(offload=callback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "offload", module, data, [callback])
+    ours = [w for w in caught if "ActivationOffloadCallback" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "not CUDA" in str(ours[0].message) and "does nothing" in str(ours[0].message)
+    assert callback.stats == OffloadStats()
+    assert module.forward_log == [(False, 0), (False, 0)]
+    assert_same_training(module, plain)
+    assert_clean(callback)
+
+
+def test_two_callbacks_rejected_at_setup(tmp_path: Path) -> None:
+    first, second = offload_callback(), offload_callback()
+    module = LitNet()
+    with pytest.raises(RuntimeError, match="holds 2 ActivationOffloadCallback instances"):
+        fit(tmp_path, module, batches(2), [first, second])
+    assert module.forward_log == []
+    assert top_hooks() is None
+    assert cpu_pool_in_use() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"mode": "fast"}, r"mode='fast'"),
+        ({"checkpoint": 3}, r"checkpoint=3"),
+        ({"min_tensor_bytes": -1}, r"min_tensor_bytes=-1"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        ActivationOffloadCallback(**kwargs)
+
+
+class PicklingLit(LitNet):
+    """Pickles the callback in the middle of training, while its engine (and the host pool) are live."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.forward_logged(batch)
+        assert self.offload is not None and self.offload.engine is not None
+        clone = pickle.loads(pickle.dumps(self.offload))
+        assert clone.engine is None and clone.options == self.offload.options
+        return loss
+
+
+def test_callback_pickles(tmp_path: Path) -> None:
+    callback = offload_callback(checkpoint="auto")
+    before = pickle.loads(pickle.dumps(callback))
+    assert before.options == callback.options and before.checkpoint == "auto"
+    module = PicklingLit(BlockStack, callback)
+    fit(tmp_path / "first", module, batches(2), [callback])
+    assert callback.stats.offloaded_bytes > 0
+    after = pickle.loads(pickle.dumps(callback))
+    assert after.engine is None and after.options == callback.options
+    # Both copies still work: the one pickled before fit and the one pickled after.
+    plain = LitNet(BlockStack)
+    fit(tmp_path / "plain", plain, batches(2))
+    for name, clone in (("before", before), ("after", after)):
+        trained = LitNet(BlockStack, clone)
+        fit(tmp_path / name, trained, batches(2), [clone])
+        assert_same_training(trained, plain)
+        assert clone.stats.offloaded_bytes > 0
+    assert_clean(callback)
+
+
+def test_mode_off_counts_without_offloading(tmp_path: Path) -> None:
+    callback = offload_callback(mode="off")
+    plain, offloaded, recorder = run_pair(tmp_path, lambda cb: LitNet(offload=cb), batches(2), callback)
+    assert_same_training(offloaded, plain)
+    assert callback.stats.eligible_bytes > 0
+    assert callback.stats.offloaded_bytes == 0
+    assert all(s.eligible_bytes > 0 and s.offloaded_bytes == 0 for s in recorder.stats)
+    assert all(hooked and nbytes == 0 for hooked, nbytes in offloaded.forward_log)
+    assert recorder.in_use_after_batch == [0, 0]
+    assert_clean(callback)
