@@ -1,0 +1,528 @@
+"""One workload, every mode, in one process: ``python -m lightning_offload.bench.worker --workload NAME ...``.
+
+Protocol (REFERENCE §5): each mode starts from the same weights and a fresh optimizer, runs ``warmup`` steps and
+then ``steps`` timed steps with a device synchronization around each; peak memory is read over the timed steps
+after resetting the counters; the first step's gradients are compared with those of ``none``. The JSON result
+is rewritten after every mode, so a crash or a timeout still leaves the rows measured so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_offload import offload_activations, release_host_memory
+from lightning_offload.bench import anchors
+from lightning_offload.bench.workloads import MODES, WORKLOADS, Mode, Workload, engine_kwargs, ordered, tiny
+from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
+
+GiB = 1 << 30
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+# ---------------------------------------------------------------------------------------------- device helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device, host_cache: bool = False) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        # Pinned blocks cached by torch's host allocator (save_on_cpu, the anchors, the link test) would otherwise
+        # stay pinned for the rest of the process and squeeze the RAM the next modes may use. Between two anchors
+        # they are kept: re-pinning tens of GiB costs ~0.4 s/GiB that neither anchor pays in steady state.
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if host_cache and empty_host is not None:
+            empty_host()
+
+
+class _Clock:
+    """Phase boundaries of one step: CUDA events on a GPU, ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if self.cuda else []
+        self.times: list[float] = [0.0] * 4
+        self.index = 0
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[self.index].record()
+        else:
+            self.times[self.index] = time.perf_counter()
+        self.index += 1
+
+    def phases(self) -> tuple[float, float, float]:
+        """Forward, backward and optimizer seconds (after the step was synchronized)."""
+        if self.cuda:
+            ev = self.events
+            return tuple(ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(3))  # type: ignore[return-value]
+        t = self.times
+        return (t[1] - t[0], t[2] - t[1], t[3] - t[2])
+
+
+def measure_link(device: torch.device, nbytes: int = GiB, reps: int = 3) -> dict[str, float] | None:
+    """Pinned host <-> device bandwidth in GB/s: each way alone and both at once (on two streams)."""
+    if device.type != "cuda":
+        return None
+    buf = {
+        "dev_a": torch.empty(nbytes, dtype=torch.uint8, device=device),
+        "dev_b": torch.empty(nbytes, dtype=torch.uint8, device=device),
+        "host_a": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+        "host_b": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+    }
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()  # warm-up: first touches of the pages and the copy engines
+        torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def d2h() -> None:
+        buf["host_a"].copy_(buf["dev_a"], non_blocking=True)
+
+    def h2d() -> None:
+        buf["dev_b"].copy_(buf["host_b"], non_blocking=True)
+
+    def both() -> None:
+        current = torch.cuda.current_stream(device)
+        s1.wait_stream(current)
+        s2.wait_stream(current)
+        with torch.cuda.stream(s1):
+            d2h()
+        with torch.cuda.stream(s2):
+            h2d()
+
+    d2h_s, h2d_s, both_s = timed(d2h), timed(h2d), timed(both)
+    result = {
+        "d2h_gbps": nbytes / d2h_s / 1e9,
+        "h2d_gbps": nbytes / h2d_s / 1e9,
+        "both_gbps": 2 * nbytes / both_s / 1e9,
+    }
+    buf.clear()
+    _free(device, host_cache=True)
+    return result
+
+
+def environment(device: torch.device, anchor_versions: dict[str, str | None]) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "driver": _driver_version() if device.type == "cuda" else None,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    for name in ("transformers", "peft"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:  # optional
+            env[name] = None
+    env["anchors"] = anchor_versions
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def build_model(workload: Workload, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Random-init Llama (bf16 weights, sdpa attention) on ``device``; LoRA-wrapped when the workload says so.
+
+    Returns:
+        The model to train and the underlying ``LlamaForCausalLM`` (for HF's gradient checkpointing switches).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=workload.hidden,
+        num_hidden_layers=workload.layers,
+        intermediate_size=workload.intermediate,
+        num_attention_heads=workload.heads,
+        num_key_value_heads=workload.kv_heads,
+        vocab_size=workload.vocab,
+        tie_word_embeddings=workload.tied,
+        max_position_embeddings=max(workload.seq, 2048),
+        rope_theta=500000.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # allocate (and initialise) in bf16 directly: no fp32 copy of 8B
+    try:
+        with torch.device(device):
+            base = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model: torch.nn.Module = base
+    if workload.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    model.train()
+    return model, base
+
+
+@contextlib.contextmanager
+def _hooks_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Remove, on exit, every module hook registered inside (anchors register some and never remove them)."""
+    before = {id(m): {name: set(getattr(m, name, {})) for name in _HOOK_DICTS} for m in model.modules()}
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            known = before.get(id(module), {})
+            for name in _HOOK_DICTS:
+                hooks = getattr(module, name, None)
+                if hooks is None:
+                    continue
+                for key in [k for k in hooks if k not in known.get(name, set())]:
+                    del hooks[key]
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+
+class Runner:
+    """Runs the modes of one workload in this process and collects one row per mode."""
+
+    def __init__(
+        self, workload: Workload, steps: int, warmup: int, tiny_run: bool, anchor_steps: int, anchor_warmup: int
+    ) -> None:
+        self.workload = workload
+        self.steps = steps
+        self.warmup = warmup
+        self.anchor_steps = anchor_steps
+        self.anchor_warmup = anchor_warmup
+        self.tiny = tiny_run
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = self.device or torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        torch.manual_seed(0)
+        self.model, self.hf_model = build_model(workload, self.device)
+        generator = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, workload.vocab, (workload.batch, workload.seq), generator=generator).to(self.device)
+        self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # Only trainable tensors change during a mode; the frozen base (LoRA) is never touched.
+        self.initial = {n: self._to_host(p.detach()) for n, p in self.trainable}
+        self.reference_grads: dict[str, torch.Tensor] | None = None
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.cuda)
+        host.copy_(tensor)
+        return host
+
+    # ---------------------------------------------------------------- one mode
+
+    def run(self, mode: Mode) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "mode": mode.name,
+            "group": mode.group,
+            "checkpoint": mode.checkpoint,
+            "sweep": mode.sweep,
+            "status": "ok",
+        }
+        if mode.engine is not None:
+            row["knobs"] = engine_kwargs(mode, self.tiny)
+        if mode.needs_cuda and not self.cuda:
+            row["status"] = "skipped: needs CUDA"
+            return row
+        engine = None
+        optimizer = None
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(_free, self.device, host_cache=False)
+            cleanup.enter_context(_hooks_restored(self.model))
+            try:
+                step_context, engine = self._prepare(mode, cleanup)
+            except anchors.AnchorUnavailable as err:
+                row["status"] = f"not available: {err}"[:500]
+                return row
+            except Exception as err:  # an anchor that imports but cannot be set up: a row, not a crash
+                traceback.print_exc()
+                row["status"] = f"error: {type(err).__name__}: {err}"[:500]
+                return row
+            try:
+                optimizer = self._fresh_start(mode)
+                self._measure(mode, row, step_context, optimizer, engine)
+            except torch.cuda.OutOfMemoryError:
+                row["status"] = "OOM"
+                self._after_failure(engine)
+            except Exception as err:
+                traceback.print_exc()
+                row["status"] = f"error: {type(err).__name__}: {err}"[:500]
+                self._after_failure(engine)
+            finally:
+                del optimizer
+                self.model.zero_grad(set_to_none=True)
+        return row
+
+    def _prepare(self, mode: Mode, cleanup: contextlib.ExitStack) -> tuple[anchors.StepContext, Any]:
+        if mode.checkpoint == "hf":
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            cleanup.callback(self.hf_model.gradient_checkpointing_disable)
+        elif mode.checkpoint == "ours":
+            apply_checkpointing(self.model, "auto")
+            cleanup.callback(remove_checkpointing, self.model)
+        if mode.anchor == "save_on_cpu":
+            return anchors.save_on_cpu(), None
+        if mode.anchor == "torchtune":
+            return anchors.torchtune(self.model), None
+        if mode.anchor == "trl":
+            return anchors.trl(self.model), None
+        if mode.engine is not None:
+            kwargs = engine_kwargs(mode, self.tiny)
+            engine = offload_activations(
+                **kwargs,
+                compute_device=None if self.cuda else "cpu",
+                measure_copies=self.cuda,
+                model=self.model,
+            )
+            return (lambda: engine), engine
+        return contextlib.nullcontext, None
+
+    def _fresh_start(self, mode: Mode) -> torch.optim.Optimizer:
+        """Same weights and a new optimizer (empty state) for every mode."""
+        with torch.no_grad():
+            for name, param in self.trainable:
+                param.copy_(self.initial[name], non_blocking=True)
+        self.model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        _free(self.device, host_cache=mode.group != "anchor")
+        params = [p for _, p in self.trainable]
+        return torch.optim.AdamW(params, lr=1e-5, **({"fused": True} if self.cuda else {}))
+
+    def _after_failure(self, engine: Any) -> None:
+        if engine is not None:
+            engine.reset()  # drops host buffers the failed step still referenced
+
+    def _measure(
+        self, mode: Mode, row: dict[str, Any], step_context: anchors.StepContext, optimizer: Any, engine: Any
+    ) -> None:
+        times: list[float] = []
+        phases: list[tuple[float, float, float]] = []
+        engine_rows: list[dict[str, float]] = []
+        # The anchors take 4-7x as long per step: fewer steps keep the whole run within its time budget.
+        warmup, steps = (self.anchor_warmup, self.anchor_steps) if mode.group == "anchor" else (self.warmup, self.steps)
+        row["warmup"], row["steps"] = warmup, steps
+        for index in range(warmup + steps):
+            timed = index >= warmup
+            if index == warmup and self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            clock = _Clock(self.device)
+            _sync(self.device)
+            start = time.perf_counter()
+            clock.mark()
+            with step_context():
+                loss = self.model(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+            clock.mark()
+            loss.backward()
+            del loss
+            clock.mark()
+            if index == 0:
+                row["grad_rel_diff"] = self._compare_grads(mode)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            clock.mark()
+            _sync(self.device)
+            elapsed = time.perf_counter() - start
+            if timed:
+                times.append(elapsed)
+                phases.append(clock.phases())
+                if engine is not None:
+                    stats = engine.stats
+                    values = stats.as_dict()
+                    values["d2h_gbps"] = stats.d2h_gbps()
+                    values["h2d_gbps"] = stats.h2d_gbps()
+                    engine_rows.append(values)
+        row["step_s"] = statistics.median(times)
+        row["step_times_s"] = times
+        row["fwd_s"] = statistics.median(p[0] for p in phases)
+        row["bwd_s"] = statistics.median(p[1] for p in phases)
+        row["opt_s"] = statistics.median(p[2] for p in phases)
+        row["tokens_per_s"] = self.workload.tokens / row["step_s"]
+        if self.cuda:
+            row["peak_alloc_gib"] = torch.cuda.max_memory_allocated(self.device) / GiB
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
+        if engine_rows:
+            row["engine"] = {key: statistics.median(r[key] for r in engine_rows) for key in engine_rows[0]}
+
+    def _compare_grads(self, mode: Mode) -> float | None:
+        """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""
+        if mode.name == "none":
+            self.reference_grads = {n: self._to_host(p.grad.detach()) for n, p in self.trainable if p.grad is not None}
+            return 0.0
+        if self.reference_grads is None:
+            return None
+        worst = 0.0
+        for name, param in self.trainable:
+            ref = self.reference_grads.get(name)
+            if ref is None or param.grad is None:
+                if (ref is None) != (param.grad is None):
+                    return float("inf")  # one run produced a gradient the other did not
+                continue
+            ref_dev = ref.to(self.device, non_blocking=True).float()
+            scale = ref_dev.abs().max().item()
+            diff = (param.grad.float() - ref_dev).abs().max().item()
+            worst = max(worst, diff / scale if scale > 0 else diff)
+        return worst
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def run_workload(
+    workload_name: str,
+    modes: list[str],
+    steps: int,
+    warmup: int,
+    tiny_run: bool,
+    out: Path,
+    anchor_steps: int | None = None,
+    anchor_warmup: int | None = None,
+) -> dict[str, Any]:
+    """Run ``modes`` of one workload and write the result to ``out`` after every mode.
+
+    ``none`` runs first (every ratio and gradient comparison is against it), then the baselines, our modes and the
+    anchors, in :data:`~lightning_offload.bench.workloads.GROUP_ORDER`.
+    """
+    workload = WORKLOADS[workload_name]
+    if tiny_run:
+        workload = tiny(workload)
+    modes = ordered(modes)
+    anchor_steps = steps if anchor_steps is None else anchor_steps
+    anchor_warmup = warmup if anchor_warmup is None else anchor_warmup
+    anchor_versions = anchors.versions()  # before torchao is hidden, so its version is still reported
+    anchors.hide_old_torchao()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    result: dict[str, Any] = {
+        "workload": workload.as_dict(),
+        "tiny": tiny_run,
+        "steps": steps,
+        "warmup": warmup,
+        "anchor_steps": anchor_steps,
+        "anchor_warmup": anchor_warmup,
+        "env": environment(device, anchor_versions),
+        "rows": [],
+    }
+    started = time.perf_counter()
+    result["link"] = measure_link(device)
+    _write(out, result)
+    runner = Runner(workload, steps, warmup, tiny_run, anchor_steps, anchor_warmup)
+    result["setup_s"] = time.perf_counter() - started
+    pool_released = False
+    for name in modes:
+        if MODES[name].group == "anchor" and not pool_released:
+            release_host_memory()  # our pinned pool makes way for the anchors' own pinned memory
+            pool_released = True
+        mode_start = time.perf_counter()
+        row = runner.run(MODES[name])
+        row["wall_s"] = time.perf_counter() - mode_start
+        result["rows"].append(row)
+        print(_progress(workload.name, row), flush=True)
+        _write(out, result)
+    release_host_memory()
+    result["wall_s"] = time.perf_counter() - started
+    _write(out, result)
+    return result
+
+
+def _progress(workload: str, row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"[{workload}] {row['mode']}: {row['status']}"
+    peak = row.get("peak_alloc_gib")
+    peak_text = f", peak {peak:.1f} GiB" if peak is not None else ""
+    return f"[{workload}] {row['mode']}: {row['step_s']:.3f} s{peak_text} ({row['wall_s']:.0f} s wall)"
+
+
+def _write(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--modes", required=True, help="comma-separated mode names")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--anchor-steps", type=int, default=None, help="timed steps of anchor modes (default: --steps)")
+    parser.add_argument("--anchor-warmup", type=int, default=None, help="warm-up steps of anchors (default: --warmup)")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    args = parser.parse_args(argv)
+    # Deprecation notices of the libraries would bury the progress lines in the lead's 12k-character log tail.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; known: {sorted(MODES)}")
+    run_workload(
+        args.workload, modes, args.steps, args.warmup, args.tiny, args.out, args.anchor_steps, args.anchor_warmup
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The benchmark's workloads (REFERENCE §5 shapes) and modes, and the default mode list of each workload."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A random-init Llama shape and how it is trained.
+
+    Attributes:
+        name: the workload's name in results.
+        hidden: hidden size.
+        layers: decoder layers.
+        intermediate: MLP width.
+        heads: attention heads.
+        kv_heads: key/value heads (grouped-query attention).
+        vocab: vocabulary size.
+        tied: tie the LM head to the embedding.
+        batch: sequences per step.
+        seq: tokens per sequence.
+        lora: ``True``: LoRA r16 on all linear layers, base frozen; ``False``: full fine-tuning with AdamW.
+        modes: the modes run when ``--modes`` is not given.
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    batch: int
+    seq: int
+    lora: bool
+    modes: tuple[str, ...] = field(default=())
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of running the training step.
+
+    Attributes:
+        name: the row's name.
+        group: ``"baseline"`` (no offloading), ``"anchor"`` (other projects' offloaders) or ``"ours"``.
+        checkpoint: ``None``, ``"hf"`` (``gradient_checkpointing_enable``) or ``"ours"`` (``apply_checkpointing``).
+        anchor: ``None``, ``"save_on_cpu"``, ``"torchtune"`` or ``"trl"``.
+        engine: ``offload_activations`` keyword arguments (``None``: no engine). Byte values are scaled down in
+            ``--tiny`` runs.
+        sweep: ``True`` for the points of our time-versus-memory curve.
+        needs_cuda: skipped on a machine without CUDA.
+    """
+
+    name: str
+    group: str
+    checkpoint: str | None = None
+    anchor: str | None = None
+    engine: dict[str, Any] | None = None
+    sweep: bool = False
+    needs_cuda: bool = False
+
+
+def _modes() -> dict[str, Mode]:
+    modes = [
+        Mode("none", "baseline"),
+        Mode("ac", "baseline", checkpoint="hf"),
+        Mode("ac-ours", "baseline", checkpoint="ours"),
+        Mode("save_on_cpu", "anchor", anchor="save_on_cpu", needs_cuda=True),
+        Mode("torchtune", "anchor", anchor="torchtune", needs_cuda=True),
+        Mode("trl", "anchor", anchor="trl", needs_cuda=True),
+        Mode("off", "ours", engine={"mode": "off"}),
+        Mode("sync", "ours", engine={"mode": "sync"}),
+        Mode("streamed", "ours", engine={"mode": "streamed"}, sweep=True),
+        # Everything eligible leaves the device, unpaced: the step should run at the copy bound (P1).
+        Mode(
+            "streamed-all",
+            "ours",
+            engine={"mode": "streamed", "resident_tail_bytes": 0, "max_inflight_bytes": None},
+            sweep=True,
+        ),
+        Mode("ac+offload", "ours", checkpoint="ours", engine={"mode": "streamed"}),
+    ]
+    # The knobs that decide how much stays resident: pacing (what the link cannot absorb stays) and the tail.
+    for label, value in (("128M", 128 * MiB), ("512M", 512 * MiB), ("2G", 2 * GiB), ("8G", 8 * GiB)):
+        modes.append(
+            Mode(f"pace-{label}", "ours", engine={"mode": "streamed", "max_inflight_bytes": value}, sweep=True)
+        )
+    for label, value in (("2G", 2 * GiB), ("8G", 8 * GiB)):
+        modes.append(
+            Mode(f"tail-{label}", "ours", engine={"mode": "streamed", "resident_tail_bytes": value}, sweep=True)
+        )
+    return {m.name: m for m in modes}
+
+
+MODES: dict[str, Mode] = _modes()
+
+_BASELINES = ("none", "ac", "ac-ours")
+_ANCHORS = ("save_on_cpu", "torchtune", "trl")
+_SWEEP = tuple(name for name, mode in MODES.items() if mode.sweep and name.startswith(("pace-", "tail-")))
+# Rows run in this order of groups: our engine's host pool (up to ~85 GiB pinned for the 8B workload) is released
+# before the anchors, which pin as much again through torch's host allocator; both at once would not fit in the
+# host RAM of a 128 GiB machine. An anchor that takes the process down then loses only the rows after it.
+GROUP_ORDER = ("baseline", "ours", "anchor")
+
+
+def ordered(modes: list[str] | tuple[str, ...]) -> list[str]:
+    """``modes`` without duplicates, ``none`` first, then by :data:`GROUP_ORDER` (stable within a group)."""
+    unique = list(dict.fromkeys(["none", *modes]))
+    return sorted(unique, key=lambda name: (name != "none", GROUP_ORDER.index(MODES[name].group)))
+
+
+# Mode lists sized for ~8 minutes of H200 time in all (see benchmarks/NOTES.md): the full sweep and ``sync`` (a
+# debugging mode, copy-bound by design) only where a step is short; the long workloads get the core rows and the
+# curve point that matters most there.
+_LLAMA1B = {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
+_OURS = ("off", "streamed", "streamed-all", "ac+offload")
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "llama1b-s4k",
+            **_LLAMA1B,
+            tied=True,
+            batch=2,
+            seq=4096,
+            lora=False,
+            modes=(*_BASELINES, *_OURS, "sync", *_SWEEP, *_ANCHORS),
+        ),
+        Workload(
+            "llama1b-s16k",
+            **_LLAMA1B,
+            tied=True,
+            batch=1,
+            seq=16384,
+            lora=False,
+            modes=(*_BASELINES, *_OURS, "pace-512M", "pace-2G", *_ANCHORS),
+        ),
+        Workload(
+            "llama8b-lora-s8k",
+            hidden=4096,
+            layers=32,
+            intermediate=14336,
+            heads=32,
+            kv_heads=8,
+            vocab=128256,
+            tied=False,
+            batch=1,
+            seq=8192,
+            lora=True,
+            # ~1 s per plain step and ~3-5 s offloaded: no `off` (P4 judges it) and no TRL (not in REFERENCE §1).
+            modes=(*_BASELINES, "streamed", "streamed-all", "ac+offload", "pace-2G", "save_on_cpu", "torchtune"),
+        ),
+        # P4, "do no harm": a model too small for offloading to pay off must not get slower or bigger.
+        Workload(
+            "small-h512",
+            hidden=512,
+            layers=4,
+            intermediate=2048,
+            heads=8,
+            kv_heads=8,
+            vocab=32000,
+            tied=False,
+            batch=4,
+            seq=1024,
+            lora=False,
+            modes=("none", "off", "streamed"),
+        ),
+    )
+}
+
+# ``--tiny`` divides every byte knob by this, so the tiny tensors (kilobytes) meet the same decisions.
+TINY_BYTE_SCALE = 1024
+
+
+def tiny(workload: Workload) -> Workload:
+    """A shrunken copy of ``workload`` that runs on a CPU in seconds (same structure, same modes)."""
+    return replace(
+        workload,
+        hidden=64,
+        layers=2,
+        intermediate=128,
+        heads=4,
+        kv_heads=2 if workload.kv_heads < workload.heads else 4,
+        vocab=512,
+        batch=min(workload.batch, 2),
+        seq=128,
+    )
+
+
+def engine_kwargs(mode: Mode, tiny_run: bool) -> dict[str, Any]:
+    """The mode's ``offload_activations`` arguments; in ``--tiny`` runs byte values shrink with the model."""
+    kwargs = dict(mode.engine or {})
+    if tiny_run:
+        for key in ("resident_tail_bytes", "max_inflight_bytes"):
+            if kwargs.get(key):  # None (unbounded) and 0 keep their meaning
+                kwargs[key] = max(1, kwargs[key] // TINY_BYTE_SCALE)
+        kwargs.setdefault("min_tensor_bytes", 1024)
+        kwargs.setdefault("resident_tail_bytes", 256 * MiB // TINY_BYTE_SCALE)
+    return kwargs
