@@ -74,9 +74,10 @@ class ActivationOffloadCallback(Callback):
             batch is recorded (the first warms the host pool up); the recorded step synchronizes the device at every
             sample and so runs slower than the others.
         memory_picture_compare: with ``memory_picture``, run the batch after the recorded one without offloading
-            and draw it too, for comparison (its per-step figures are not logged). That batch needs the memory
-            offloading saves: turn this off when the model fits only with offloading. It is skipped with
-            ``mode="off"``, gradient accumulation, manual optimization and LBFGS.
+            and draw it too, for comparison. That batch logs what it did (nothing offloaded, its peak without
+            offloading) and is left out of the epoch summaries. It needs the memory offloading saves: turn this
+            off when the model fits only with offloading. It is skipped with ``mode="off"``, gradient
+            accumulation, manual optimization and LBFGS.
 
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
@@ -255,13 +256,8 @@ class ActivationOffloadCallback(Callback):
         engine.uninstall()
         if self._picture is not None:
             self._picture.on_batch_end(trainer, self._picture_title())
-        if self._plain_batch:
-            # The comparison batch ran without offloading: its figures describe another configuration.
-            self._plain_batch = False
-            self._reset_peaks = True
-            self._stepped = False
-            return
         self._log(trainer, pl_module, engine)
+        self._plain_batch = False
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -306,7 +302,12 @@ class ActivationOffloadCallback(Callback):
         # Timing events are waited for only when the logger writes: anything else would sync every step.
         will_log = _will_log(trainer)
         stats = engine.collect_stats(wait=will_log)
-        self._last_stats = stats
+        if self._plain_batch:
+            # The memory picture's comparison batch offloaded nothing: log that (and its real peak), and keep it out
+            # of ``stats`` and the epoch summaries, which describe offloading.
+            stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
+        else:
+            self._last_stats = stats
         device = self._cuda_device()
         # Reading the peaks is host-side allocator bookkeeping: no device synchronization.
         peaks = (
@@ -314,7 +315,7 @@ class ActivationOffloadCallback(Callback):
             if stepped and device is not None
             else None
         )
-        if self._epoch_metrics is not None:
+        if self._epoch_metrics is not None and not self._plain_batch:
             self._epoch_metrics.update(stats, *(peaks or (None, None)))
         if not will_log:
             return

@@ -1,0 +1,390 @@
+"""A picture of one training step's memory over time, with offloading and (for comparison) without.
+
+:class:`~lightning_offload.ActivationOffloadCallback` (``memory_picture=True``) records, once per fit, the memory of
+one training batch at every module boundary: forward pre/post hooks on each submodule, a gradient hook on each
+module output (so backward is sampled module by module too), the Lightning hook boundaries (batch start, before and
+after backward, batch end) and, when the engine offers ``add_observer``, every pack/unpack. It then draws allocated
+memory against time with forward, backward and the optimizer step marked, and below it the offloaded bytes the host
+holds and the device bytes whose copies are still in flight, and writes a PNG into the logger's directory (and an
+image to TensorBoard when a TensorBoard logger is attached).
+
+The recorded step is slow on purpose: on CUDA every sample synchronizes the device, so that the time stamps follow
+the device and each memory figure belongs to its point in the step. Copies then finish sooner than in a normal
+step, so the in-flight curve is a lower bound; memory figures are exact. On the CPU (``compute_device="cpu"``),
+where CUDA figures do not exist, the process's resident set size stands in for allocated memory.
+
+Only the global-zero process records; the others train as usual.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import psutil
+import torch
+from torch import nn
+
+from lightning_offload.options import GiB
+
+if TYPE_CHECKING:
+    from lightning_offload.engine import OffloadEngine
+
+__all__ = ["MemoryPicture"]
+
+Kind = Literal["offloaded", "baseline"]
+FILENAME = "offload_memory_picture.png"
+TAG = "offload/memory_picture"
+
+# The first batch allocates the host pool and gives the engine its forward profile; the step after it is the one
+# every later step looks like.
+_WARMUP_BATCHES = 1
+
+
+@dataclass
+class _Trace:
+    """Samples of one recorded step. Times in seconds from the batch start; memory in bytes."""
+
+    kind: Kind
+    t: list[float] = field(default_factory=list)
+    device_bytes: list[int] = field(default_factory=list)
+    host_held: list[int] = field(default_factory=list)
+    inflight: list[int] = field(default_factory=list)
+    offloaded: list[int] = field(default_factory=list)
+    marks: dict[str, float] = field(default_factory=dict)  # phase name -> start time
+
+    @property
+    def peak(self) -> int:
+        return max(self.device_bytes, default=0)
+
+
+class MemoryPicture:
+    """Plans, records and draws the memory picture of one training step (and its comparison step).
+
+    Batch ``_WARMUP_BATCHES`` (counted from the start of the fit) is recorded with offloading; when ``compare`` is
+    allowed, the batch after it runs without offloading and is recorded too. The picture is written as soon as the
+    last recorded batch ends, or when training ends before that.
+
+    Args:
+        compare: also record one step without offloading. It needs the memory the offloading saves, so turn it off
+            when the model only fits with offloading.
+    """
+
+    def __init__(self, compare: bool = True) -> None:
+        self.compare = compare
+        self.path: Path | None = None  # where the PNG went, once written
+        self._plan: dict[int, Kind] = {}
+        self._traces: list[_Trace] = []
+        self._trace: _Trace | None = None
+        self._handles: list[Any] = []
+        self._engine: OffloadEngine | None = None
+        self._device: torch.device | None = None
+        self._t0 = 0.0
+        self._batches = 0
+        self._next: Kind | None = None
+        self._done = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_handles=[], _engine=None, _trace=None, _next=None)  # hooks and the engine do not cross processes
+        return state
+
+    # ------------------------------------------------------------------ the callback's hooks
+
+    def on_fit_start(self, record: bool, compare_allowed: bool) -> None:
+        """Plan which batches to record, at the start of a fit.
+
+        Args:
+            record: this process records (the global-zero process of an offloading fit).
+            compare_allowed: a step without offloading may run (the callback says when it may not).
+        """
+        self.close()
+        self._traces = []
+        self._trace = None
+        self._batches = 0
+        self._plan = {}
+        if record:
+            self._plan[_WARMUP_BATCHES] = "offloaded"
+            if self.compare and compare_allowed:
+                self._plan[_WARMUP_BATCHES + 1] = "baseline"
+        self._done = not self._plan
+
+    def offload_batch(self) -> bool:
+        """Called once per training batch before the engine is entered: ``False`` for the comparison batch."""
+        kind = None if self._done else self._plan.get(self._batches)
+        self._batches += 1
+        self._next = kind
+        return kind != "baseline"
+
+    def on_batch_start(self, model: nn.Module, engine: OffloadEngine | None, device: torch.device) -> None:
+        """Start recording if this batch is planned (after :meth:`offload_batch`, with the engine entered)."""
+        kind, self._next = self._next, None
+        if kind is not None:
+            self.start(kind, model, engine, device)
+
+    def on_batch_end(self, trainer: Any, title: str = "") -> Path | None:
+        """Stop recording the batch; once every planned batch is recorded, write the picture."""
+        if self._trace is None:
+            return None
+        self.stop()
+        return self.flush(trainer, title) if self.complete else None
+
+    def flush(self, trainer: Any, title: str = "") -> Path | None:
+        """Write what was recorded and not written yet (training ended before the comparison batch)."""
+        self.close()
+        self._trace = None
+        if self._done or not self._traces:
+            return None
+        return self.write(_log_dir(trainer), list(trainer.loggers), trainer.global_step, title)
+
+    # ------------------------------------------------------------------ recording
+
+    def start(self, kind: Kind, model: nn.Module, engine: OffloadEngine | None, device: torch.device) -> None:
+        """Start recording a training batch (call after the engine was entered, for ``kind="offloaded"``)."""
+        self.close()
+        self._device = device
+        self._engine = engine if kind == "offloaded" else None
+        self._trace = _Trace(kind)
+        self._sync()
+        self._t0 = time.perf_counter()
+        self._trace.marks["forward"] = 0.0
+        self.sample()
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._on_forward_pre))
+            self._handles.append(module.register_forward_hook(self._on_forward))
+        observe = getattr(self._engine, "add_observer", None)
+        if callable(observe):
+            # Finer grain when the engine offers it: one sample per saved / restored tensor.
+            self._handles.append(observe(self._on_engine_event))
+
+    def mark(self, phase: str) -> None:
+        """Note that ``phase`` ("backward", "optimizer") starts now."""
+        trace = self._trace
+        if trace is None:
+            return
+        self.sample()
+        trace.marks[phase] = trace.t[-1]
+
+    def stop(self) -> None:
+        """End the recording of the current batch."""
+        trace = self._trace
+        if trace is None:
+            return
+        self.sample()
+        trace.marks["end"] = trace.t[-1]
+        self.close()
+        self._traces.append(trace)
+        self._trace = None
+
+    @property
+    def complete(self) -> bool:
+        """Every planned batch was recorded."""
+        recorded = {t.kind for t in self._traces}
+        return bool(self._plan) and all(kind in recorded for kind in self._plan.values())
+
+    def close(self) -> None:
+        """Remove the hooks (idempotent); tensors already holding a gradient hook sample no more."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def sample(self) -> None:
+        """Record the memory figures now."""
+        trace = self._trace
+        if trace is None:
+            return
+        self._sync()
+        now = time.perf_counter() - self._t0
+        device = self._device
+        if device is not None and device.type == "cuda":
+            used = torch.cuda.memory_allocated(device)
+        else:
+            used = psutil.Process(os.getpid()).memory_info().rss
+        held = inflight = offloaded = 0
+        engine = self._engine
+        if engine is not None:
+            stats = engine.collect_stats(wait=False)
+            held, offloaded = stats.host_bytes_held, stats.offloaded_bytes
+            # Device bytes whose device -> host copy has not been retired yet (they are still held on the device).
+            inflight = int(getattr(engine, "_inflight_bytes", 0))
+        trace.t.append(now)
+        trace.device_bytes.append(used)
+        trace.host_held.append(held)
+        trace.inflight.append(inflight)
+        trace.offloaded.append(offloaded)
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _on_forward_pre(self, module: nn.Module, args: Any) -> None:
+        self.sample()
+
+    def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.sample()
+        if torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    # Fires when backward reaches this output: a sample per module in backward too.
+                    tensor.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        self.sample()
+
+    def _on_engine_event(self, event: str, nbytes: int) -> None:
+        self.sample()
+
+    # ------------------------------------------------------------------ drawing
+
+    def write(self, log_dir: str | os.PathLike[str], loggers: list[Any], step: int, title: str = "") -> Path | None:
+        """Draw what was recorded, write the PNG into ``log_dir`` and send it to TensorBoard loggers.
+
+        Args:
+            log_dir: the folder of the run (the first logger's ``log_dir``, else the trainer's root folder).
+            loggers: the trainer's loggers; those whose ``experiment`` has ``add_image`` (TensorBoard) get the image.
+            step: the global step to file the image under.
+            title: a first line for the figure (e.g. the offloading mode).
+
+        Returns:
+            The PNG's path, or ``None`` when nothing was recorded.
+        """
+        self.close()
+        self._done = True
+        if not self._traces:
+            return None
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        figure = self._draw(title)
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        path = Path(log_dir) / FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=figure.dpi)
+        image = np.asarray(canvas.buffer_rgba())[..., :3].copy()
+        for logger in loggers:
+            experiment = getattr(logger, "experiment", None)
+            add_image = getattr(experiment, "add_image", None)
+            if callable(add_image):
+                add_image(TAG, image, global_step=step, dataformats="HWC")
+                flush = getattr(experiment, "flush", None)
+                if callable(flush):
+                    flush()
+        self.path = path
+        return path
+
+    def _draw(self, title: str) -> Any:
+        from matplotlib.figure import Figure
+
+        cuda = self._device is not None and self._device.type == "cuda"
+        figure = Figure(figsize=(10, 6.5), dpi=100, layout="constrained")
+        top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+        colours = {"offloaded": "tab:blue", "baseline": "tab:red"}
+        names = {"offloaded": "with offloading", "baseline": "without offloading"}
+        phase_colours = {"forward": "#dbe9f6", "backward": "#fde4cf", "optimizer": "#e5e5e5"}
+        for trace in self._traces:
+            ms = [t * 1e3 for t in trace.t]
+            label = f"{names[trace.kind]} (peak {trace.peak / GiB:.3f} GiB)"
+            top.plot(
+                ms,
+                [b / GiB for b in trace.device_bytes],
+                color=colours[trace.kind],
+                lw=1.6,
+                label=label,
+                drawstyle="steps-post",
+            )
+            spans = _phase_spans(trace)
+            if trace.kind == "offloaded" or len(self._traces) == 1:
+                for name, lo, hi in spans:
+                    for ax in (top, bottom):
+                        ax.axvspan(lo * 1e3, hi * 1e3, color=phase_colours.get(name, "#eeeeee"), zorder=0)
+                    top.text(
+                        (lo + hi) / 2 * 1e3,
+                        1.0,
+                        name,
+                        transform=top.get_xaxis_transform(),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                    )
+            else:
+                for _, lo, _ in spans[1:]:
+                    top.axvline(lo * 1e3, color=colours[trace.kind], ls=":", lw=1)
+            if trace.kind == "offloaded":
+                bottom.fill_between(
+                    ms,
+                    [b / GiB for b in trace.host_held],
+                    step="post",
+                    alpha=0.35,
+                    color="tab:green",
+                    label="host memory holding offloaded activations",
+                )
+                bottom.plot(
+                    ms,
+                    [b / GiB for b in trace.offloaded],
+                    color="tab:purple",
+                    lw=1.2,
+                    label="offloaded so far in this step",
+                )
+                bottom.plot(
+                    ms,
+                    [b / GiB for b in trace.inflight],
+                    color="tab:orange",
+                    lw=1.2,
+                    label="device bytes with a copy in flight",
+                )
+        top.set_ylabel("allocated GiB" if cuda else "process RSS GiB (CPU run)")
+        top.legend(loc="upper left", fontsize=8)
+        top.grid(alpha=0.3)
+        bottom.set_ylabel("GiB")
+        bottom.set_xlabel("time since batch start (ms); samples synchronize the device, so the step runs slower")
+        handles, _ = bottom.get_legend_handles_labels()
+        if handles:
+            bottom.legend(loc="upper left", fontsize=8)
+        bottom.grid(alpha=0.3)
+        lines = [title] if title else []
+        peaks = {t.kind: t.peak for t in self._traces}
+        if "offloaded" in peaks and "baseline" in peaks and peaks["baseline"] > 0:
+            saved = 1 - peaks["offloaded"] / peaks["baseline"]
+            lines.append(
+                f"peak {peaks['offloaded'] / GiB:.3f} GiB with offloading vs {peaks['baseline'] / GiB:.3f} GiB "
+                f"without ({saved:+.0%} saved)"
+            )
+        figure.suptitle("\n".join(lines) or "one training step", fontsize=10)
+        return figure
+
+
+def _phase_spans(trace: _Trace) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in time order, from the phase marks of a trace."""
+    ordered = sorted(trace.marks.items(), key=lambda item: item[1])
+    spans = []
+    for (name, start), (_, end) in itertools.pairwise(ordered):
+        if name != "end" and end > start:
+            spans.append((name, start, end))
+    return spans
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output (tensor, or tuples / lists / dicts of them, one level of nesting per call)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+def _log_dir(trainer: Any) -> str:
+    """The run's folder as ``Trainer.log_dir`` gives it, without its broadcast (only global zero writes)."""
+    loggers = list(getattr(trainer, "loggers", []))
+    if loggers:
+        first = loggers[0]
+        folder = getattr(first, "log_dir", None) or getattr(first, "save_dir", None)
+        if folder:
+            return str(folder)
+    return str(trainer.default_root_dir)

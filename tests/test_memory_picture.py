@@ -1,0 +1,148 @@
+"""The memory picture (``memory_picture=True``): one PNG per fit in the log folder, and an image in TensorBoard."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_offload import ActivationOffloadCallback
+from lightning_offload.memory_picture import FILENAME, TAG, MemoryPicture
+from tests.tiny_modules import OFFLOAD_ALL, make_module, trainer_kwargs
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*but have no logger configured:UserWarning"),
+]
+
+
+def assert_picture(path: Path) -> None:
+    """A readable, non-empty PNG that is not one flat colour."""
+    assert path.is_file() and path.stat().st_size > 0
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.width > 100 and image.height > 100
+        pixels = np.asarray(image.convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20, "the picture is blank"
+
+
+def kinds(callback: ActivationOffloadCallback) -> list[str]:
+    assert callback._picture is not None
+    return [trace.kind for trace in callback._picture._traces]
+
+
+def test_tensorboard_run_writes_png_and_image(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, logger=logger, callbacks=[callback]))
+    trainer.fit(make_module(pl))
+    path = Path(logger.log_dir) / FILENAME
+    assert callback._picture is not None and callback._picture.path == path
+    assert_picture(path)
+    assert kinds(callback) == ["offloaded", "baseline"]
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+    events.Reload()
+    assert TAG in events.Tags()["images"]
+    (image,) = events.Images(TAG)
+    assert image.width > 100 and image.height > 100 and len(image.encoded_image_string) > 1000
+
+
+def test_recorded_step_has_phases_and_engine_figures(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, logger=CSVLogger(tmp_path), callbacks=[callback]))
+    trainer.fit(make_module(pl))
+    assert callback._picture is not None
+    offloaded, baseline = callback._picture._traces
+    assert list(offloaded.marks) == ["forward", "backward", "optimizer", "end"]
+    assert 0.0 == offloaded.marks["forward"] < offloaded.marks["backward"] < offloaded.marks["end"]
+    # Forward hooks and gradient hooks sample every module in both directions.
+    in_backward = [t for t in offloaded.t if offloaded.marks["backward"] < t < offloaded.marks["optimizer"]]
+    assert len(offloaded.t) > 10 and len(in_backward) >= 3
+    assert max(offloaded.offloaded) > 0 and max(offloaded.host_held) > 0
+    assert max(baseline.offloaded) == 0  # no engine in the comparison step
+    assert_picture(Path(trainer.loggers[0].log_dir) / FILENAME)
+
+
+def test_comparison_batch_offloads_nothing(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, logger=logger, callbacks=[callback]))
+    trainer.fit(make_module(pl))
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    steps = {int(r["step"]): float(r["offload/offloaded_gib"]) for r in rows if r.get("offload/offloaded_gib")}
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert steps[2] == 0.0  # batch 2 ran without offloading, for the picture
+    assert steps[0] == steps[1] == steps[3] > 0
+    # The epoch summary describes offloading: the comparison batch is left out of it.
+    (summary,) = [
+        float(r["offload/offloaded_gib_epoch_mean"]) for r in rows if r.get("offload/offloaded_gib_epoch_mean")
+    ]
+    assert summary == pytest.approx(steps[0])
+
+
+def test_picture_and_comparison_leave_training_unchanged(tmp_path: Path) -> None:
+    reference = make_module(pl)
+    pl.Trainer(**trainer_kwargs(tmp_path / "a", max_steps=4, logger=False)).fit(reference)
+    pictured = make_module(pl)
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path / "b", max_steps=4, logger=False, callbacks=[callback])).fit(pictured)
+    for a, b in zip(reference.parameters(), pictured.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # Without a logger the picture goes into the trainer's root folder.
+    assert_picture(tmp_path / "b" / FILENAME)
+
+
+def test_no_comparison_under_gradient_accumulation(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    kwargs = trainer_kwargs(tmp_path, max_steps=2, accumulate_grad_batches=2, logger=False, callbacks=[callback])
+    pl.Trainer(**kwargs).fit(make_module(pl))
+    assert kinds(callback) == ["offloaded"]
+    assert_picture(tmp_path / FILENAME)
+
+
+def test_compare_off_records_only_the_offloaded_step(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, memory_picture_compare=False, **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, logger=False, callbacks=[callback])).fit(make_module(pl))
+    assert kinds(callback) == ["offloaded"]
+    assert_picture(tmp_path / FILENAME)
+
+
+def test_short_fits(tmp_path: Path) -> None:
+    # One batch: nothing after the warm-up to record, and no error.
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path / "one", max_steps=1, logger=False, callbacks=[callback])).fit(make_module(pl))
+    assert not (tmp_path / "one" / FILENAME).exists()
+    # Two batches: the comparison never ran; the offloaded step is drawn when training ends.
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path / "two", max_steps=2, logger=False, callbacks=[callback])).fit(make_module(pl))
+    assert kinds(callback) == ["offloaded"]
+    assert_picture(tmp_path / "two" / FILENAME)
+
+
+def test_once_per_fit(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_epochs=2, logger=False, callbacks=[callback]))
+    trainer.fit(make_module(pl, batches=3))
+    assert kinds(callback) == ["offloaded", "baseline"]
+
+
+def test_picture_pickles_without_hooks() -> None:
+    import pickle
+
+    picture = MemoryPicture(compare=True)
+    picture.on_fit_start(record=True, compare_allowed=True)
+    model = torch.nn.Linear(4, 4)
+    assert picture.offload_batch() and picture.offload_batch()
+    picture.on_batch_start(model, None, torch.device("cpu"))
+    clone = pickle.loads(pickle.dumps(picture))
+    assert clone._handles == [] and clone._trace is None
+    picture.close()
+    assert not model._forward_hooks and not model._forward_pre_hooks
