@@ -21,6 +21,9 @@ from typing import Any
 from lightning_offload.bench import report
 from lightning_offload.bench.workloads import MODES, WORKLOADS
 
+_REPORT_RESERVE_S = 15.0
+_MIN_WORKER_S = 30.0
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -46,6 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-name", default=None, help="names the outputs <out>/<name>.{json,md,png}")
     parser.add_argument("--tiny", action="store_true", help="shrink every workload so the pipeline runs on a CPU")
     parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per workload before it is killed")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole run: a workload still running then is killed (its finished rows are kept) "
+        "and the report is written anyway; workloads left after it are skipped",
+    )
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -68,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_worker(args: argparse.Namespace, workload: str, json_path: Path) -> dict[str, Any]:
+def run_worker(args: argparse.Namespace, workload: str, json_path: Path, timeout: float | None) -> dict[str, Any]:
     """Run one workload in its own process; return its JSON (partial if it crashed or timed out)."""
     modes = args.modes if args.modes is not None else list(WORKLOADS[workload].modes)
     command = [
@@ -88,11 +98,11 @@ def run_worker(args: argparse.Namespace, workload: str, json_path: Path) -> dict
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     error = None
     try:
-        code = subprocess.run(command, env=env, timeout=args.worker_timeout, check=False).returncode
+        code = subprocess.run(command, env=env, timeout=timeout, check=False).returncode
         if code != 0:
             error = f"worker exited with code {code}"
     except subprocess.TimeoutExpired:
-        error = f"worker timed out after {args.worker_timeout:.0f} s"
+        error = f"worker killed after {timeout:.0f} s (time budget)"
     if json_path.exists():
         result = json.loads(json_path.read_text())
     else:
@@ -111,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         print(f"=== {workload}", flush=True)
         json_path = args.out / f"{args.device_name}.{workload}.worker.json"
-        results.append(report.derive(run_worker(args, workload, json_path)))
+        timeout = args.worker_timeout
+        if args.deadline is not None:
+            # Keep a few seconds for merging and writing the report after the last worker.
+            left = args.deadline - (time.perf_counter() - started) - _REPORT_RESERVE_S
+            if left < _MIN_WORKER_S:
+                results.append({"workload": WORKLOADS[workload].as_dict(), "rows": [], "error": "skipped: deadline"})
+                continue
+            timeout = left if timeout is None else min(timeout, left)
+        results.append(report.derive(run_worker(args, workload, json_path, timeout)))
     merged = {
         "name": args.device_name,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -129,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no plot: {err}")
     for workload in args.workloads:  # merged now; the per-worker files were only for crash safety
         (args.out / f"{args.device_name}.{workload}.worker.json").unlink(missing_ok=True)
+        (args.out / f"{args.device_name}.{workload}.worker.tmp").unlink(missing_ok=True)  # a killed worker's
     print(report.terminal_table(results))
     print(f"wrote {base}.json, .md, .png in {merged['wall_s']:.0f} s")
     return 0 if all("error" not in r for r in results) else 1

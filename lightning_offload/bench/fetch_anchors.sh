@@ -11,7 +11,7 @@
 #
 # On the GPU machine (Python 3.12, no index):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-#   PYTHONPATH=/tmp/site python3 -m lightning_offload.bench --device-name h200
+#   PYTHONPATH=/tmp/site python3 -m lightning_offload.bench --device-name h200 --deadline 570
 #
 # Usage: bash lightning_offload/bench/fetch_anchors.sh [DEST]   (DEST defaults to .whl at the repository root)
 set -euo pipefail

@@ -360,6 +360,12 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
             ax.plot(row["ratio"], _peak(row), marker, color=color)
             ax.annotate(row["mode"], (row["ratio"], _peak(row)), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.grid(alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    legend = [Line2D([], [], marker=m, color=c, linestyle="", label=group) for group, (m, c) in styles.items()] + [
+        Line2D([], [], color="tab:blue", alpha=0.6, label="our curve (tail / pacing)")
+    ]
+    axes[0][0].legend(handles=legend, fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
