@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
 from lightning_offload.engine import OffloadEngine, offload_activations
 from lightning_offload.host_pool import HostMemoryFull, release_host_memory
 from lightning_offload.options import OffloadOptions
@@ -23,9 +24,12 @@ __all__ = [
     "OffloadEngine",
     "OffloadOptions",
     "OffloadStats",
+    "apply_checkpointing",
+    "find_repeated_blocks",
     "no_offload",
     "offload_activations",
     "release_host_memory",
+    "remove_checkpointing",
 ]
 __version__ = "0.1.0"
 

@@ -119,6 +119,7 @@ class OffloadEngine:
         self._by_storage: dict[int, list[weakref.ref[StorageCopy]]] = {}
         self._pending: deque[StorageCopy] = deque()  # saved, not yet offloaded, in save order
         self._segment: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward, in save order
+        self._counted: list[StorageCopy] = []  # mode="off": what the open forward would offload
         self._segment_open = False
         # Positions are eligible bytes saved since the engine was made: monotone across forwards, so copies of
         # several forwards awaiting one backward still order correctly.
@@ -194,15 +195,14 @@ class OffloadEngine:
     def _pack(self, tensor: torch.Tensor) -> Any:
         stats = self._stats
         stats.saved_tensors += 1
-        if not self._eligible(tensor):
+        # Cheapest test first: most saved tensors of a small model stop here, for the cost of two attribute reads.
+        storage = tensor.untyped_storage()
+        storage_nbytes = storage.nbytes()
+        if storage_nbytes < self.options.min_tensor_bytes or not self._eligible(tensor):
             return tensor
         start, end = byte_span(tensor)
-        storage = tensor.untyped_storage()
-        lo, hi = copy_span(start, end, storage.nbytes())
+        lo, hi = copy_span(start, end, storage_nbytes)
         if hi - lo < self.options.min_tensor_bytes:
-            return tensor
-        if self.options.mode == "off":
-            stats.eligible_bytes += end - start
             return tensor
         if not self._segment_open:
             self._segment_open = True
@@ -219,10 +219,17 @@ class OffloadEngine:
             self._saved_pos += copy.nbytes
             copy.end_pos = self._saved_pos
             stats.eligible_bytes += copy.nbytes
+            if self.options.mode == "off":
+                # Count only (each storage span once): the record lives until forward ends, for dedup.
+                copy.state = State.RESIDENT
+                self._counted.append(copy)
+                return tensor
             view = SavedView(copy, tensor, start)
             self._pending.append(copy)
             self._release_pending()
             return view
+        if self.options.mode == "off":
+            return tensor
         if copy.state is State.OFFLOADED:
             stats.offloaded_tensors += 1  # served by a copy already on its way to the host
         return SavedView(copy, tensor, start)
@@ -249,7 +256,7 @@ class OffloadEngine:
             self._retire_inflight()
             self._wait_due()
         tail = self.options.resident_tail_bytes
-        budget = self.options.max_offload_bytes
+        budget = self._offload_budget()
         # From the second forward on, the previous forward's size says which copies will end up outside the
         # tail, so they go at once instead of waiting for ``tail`` more bytes to be saved after them.
         start = self._segment_start
@@ -267,6 +274,16 @@ class OffloadEngine:
                 return
             self._pending.popleft()
             self._offload(copy)
+
+    def _offload_budget(self) -> int | None:
+        budget = self.options.max_offload_bytes
+        if budget != "auto":
+            return budget
+        # What the link moves while forward runs: bandwidth x forward time = forward's bytes / (its pace / link's).
+        ratio = self._schedule.ratio
+        if ratio is None or self._profile_total is None:
+            return None  # until measured (first forward), offload everything: memory first
+        return int(self._profile_total / ratio)
 
     def _offload(self, copy: StorageCopy) -> None:
         try:
@@ -364,6 +381,7 @@ class OffloadEngine:
             copy.state = State.RESIDENT
             self._stats.resident_bytes += copy.nbytes
         self._pending.clear()
+        self._counted = []
         self._profile_total = self._saved_pos - self._segment_start
         if self._cuda and self.options.mode == "streamed":
             stream = torch.cuda.current_stream(self._device)
@@ -504,7 +522,7 @@ def offload_activations(
     compute_device: str | torch.device | None = None,
     min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
     resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
-    max_offload_bytes: int | None = None,
+    max_offload_bytes: int | str | None = None,
     max_inflight_bytes: int | None = None,
     prefetch_bytes: int = OffloadOptions.prefetch_bytes,
     host_memory_limit: int | None = None,
@@ -537,7 +555,8 @@ def offload_activations(
             same forward, so the last tensors of forward (logits, loss), needed first by backward, stay.
         max_offload_bytes: offload at most the first this-many bytes of each forward (the earliest tensors hide
             their copies best); the rest stays on the device. ``None``: no limit. This is the knob that trades
-            memory for time: about ``link bandwidth x forward time`` bytes move for free.
+            memory for time: about ``link bandwidth x forward time`` bytes move for free, and ``"auto"`` offloads
+            exactly that, measured (everything on the first forward, before there is a measurement).
         max_inflight_bytes: device -> host copies may lag forward by this many bytes; beyond it the compute
             stream waits for the oldest copy (a device-side wait), so memory held by copies in flight stays
             bounded. ``None``: 512 MiB when everything eligible is offloaded; no bound with

@@ -40,7 +40,7 @@ class OffloadOptions:
     compute_device: torch.device | None = None
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES
-    max_offload_bytes: int | None = None
+    max_offload_bytes: int | Literal["auto"] | None = None
     max_inflight_bytes: int | None = None
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     host_memory_limit: int | None = None
@@ -65,7 +65,11 @@ class OffloadOptions:
         for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=False)
-        for name in ("max_offload_bytes", "max_inflight_bytes", "host_memory_limit"):
+        if kwargs.get("max_offload_bytes") == "auto":
+            pass  # offload what the link hides behind forward: measured, see CopySchedule
+        elif "max_offload_bytes" in kwargs:
+            _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True, auto=True)
+        for name in ("max_inflight_bytes", "host_memory_limit"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=True)
         measure = kwargs.get("measure_copies", False)
@@ -83,11 +87,11 @@ class OffloadOptions:
         return torch.device("cpu")
 
 
-def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> None:
+def _check_bytes(caller: str, name: str, value: Any, allow_none: bool, auto: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        allowed = "a byte count >= 0" + (" or None" if allow_none else "")
+        allowed = "a byte count >= 0" + (", 'auto'" if auto else "") + (" or None" if allow_none else "")
         raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
 
 
