@@ -171,3 +171,14 @@ def parameter_count(module: nn.Module) -> str:
     """A human-readable parameter count, e.g. ``"12.6M"``."""
     count = sum(p.numel() for p in module.parameters())
     return f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e3:.1f}K" if count else "0"
+
+
+def quiet_lightning() -> None:
+    """Keep the examples' output to what they print: no Lightning banners, no version-skew deprecation notes."""
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*litlogger.*")
