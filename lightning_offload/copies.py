@@ -31,6 +31,7 @@ class StorageCopy:
 
     __slots__ = (
         "__weakref__",
+        "alias",
         "d2h_done",
         "device",
         "end_pos",
@@ -39,6 +40,7 @@ class StorageCopy:
         "host",
         "last_use",
         "lo",
+        "modified",
         "pool",
         "producer",
         "src",
@@ -58,6 +60,10 @@ class StorageCopy:
             storage, lo, (hi - lo,), (1,)
         )
         self.producer = producer  # the stream that was current when the tensor was saved
+        # Shares the saved tensor's version counter while its bytes are on the device: an in-place change after
+        # the save is an error autograd would raise (saved-tensor hooks switch its own check off).
+        self.alias: torch.Tensor | None = tensor.detach()
+        self.modified = False
         self.state = State.PENDING
         self.host: torch.Tensor | None = None
         self.pool: HostPool | None = None
@@ -91,7 +97,7 @@ class StorageCopy:
 class SavedView:
     """What autograd holds instead of an offloadable tensor: how to rebuild it from its ``StorageCopy``."""
 
-    __slots__ = ("copy", "dtype", "first", "offset", "size", "stride")
+    __slots__ = ("copy", "dtype", "first", "offset", "size", "stride", "version")
 
     def __init__(self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int) -> None:
         self.copy = copy
@@ -99,6 +105,7 @@ class SavedView:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = byte_start - copy.lo  # bytes from the start of the span to the tensor's first element
+        self.version = tensor._version
         self.first = True
         copy.views_left += 1
 
@@ -129,3 +136,13 @@ def copy_span(start: int, end: int, storage_nbytes: int) -> tuple[int, int]:
     if 2 * (end - start) >= storage_nbytes:
         return 0, storage_nbytes
     return start - start % SPAN_ALIGN, end
+
+
+def modified_error(saved: int, now: int | None) -> RuntimeError:
+    """The error autograd raises for a saved tensor changed in place (its own check is off under hooks)."""
+    found = "later" if now is None else f"{now}"
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: it was "
+        f"saved at version {saved} and is now at version {found} (detected by lightning_offload, whose saved-"
+        "tensor hooks replace autograd's own check). Clone the tensor before modifying it in place."
+    )

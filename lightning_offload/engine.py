@@ -22,7 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.copies import SavedView, State, StorageCopy, byte_span, copy_span
+from lightning_offload.copies import SavedView, State, StorageCopy, byte_span, copy_span, modified_error
 from lightning_offload.host_pool import HostMemoryFull, HostPool, pool_for
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.schedule import CopySchedule, link_bytes_per_ms
@@ -104,11 +104,12 @@ class OffloadEngine:
             d2h, h2d = copy_streams(self._device)
             d2h.synchronize()
             h2d.synchronize()
-        for ref in self._all_copies:
+        # Only this window's copies: graphs of earlier windows (a forward awaiting backward) stay valid.
+        for ref in self._all_copies[self._window_first_copy :]:
             copy = ref()
             if copy is not None:
                 copy.state = State.DROPPED
-                copy.src = copy.device = None
+                copy.src = copy.device = copy.alias = None
                 copy.drop_host()
         self._stall_timer.discard()
         self._d2h_timer.discard()
@@ -137,13 +138,25 @@ class OffloadEngine:
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
         self._fetch_at: list[float] = []  # backward position at which each queued copy must start coming back
         self._all_copies: list[weakref.ref[StorageCopy]] = []
+        self._window_first_copy = 0  # copies made before this index belong to earlier windows
         self._stall_timer = TimingEvents()
         self._d2h_timer = TimingEvents()
         self._h2d_timer = TimingEvents()
 
     def _begin_window(self) -> None:
+        self._seal()  # a forward that never got its backward ends here, and counts in its own window
         if self._device is None:
-            self._device = self.options.resolved_device()
+            device = self.options.resolved_device()
+            if device is None:
+                # Lesson 6: never offload CPU tensors unless asked. Without CUDA, count and keep everything.
+                warnings.warn(
+                    "offload_activations(): CUDA is not available and compute_device=None, so nothing is "
+                    "offloaded. Pass compute_device='cpu' to exercise the engine on CPU tensors.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                device = torch.device("meta")  # no real tensor lives there: nothing is eligible
+            self._device = device
             self._cuda = self._device.type == "cuda"
             self._pool: HostPool = pool_for(self._device)
             if self._cuda:
@@ -154,7 +167,8 @@ class OffloadEngine:
         self._stats = OffloadStats()
         self._allocations_at_start = self._pool.allocations
         self.refresh_parameters()
-        self._seal()
+        self._all_copies = [ref for ref in self._all_copies if ref() is not None]
+        self._window_first_copy = len(self._all_copies)
 
     # ------------------------------------------------------------------ stats
 
@@ -196,14 +210,16 @@ class OffloadEngine:
         stats = self._stats
         stats.saved_tensors += 1
         # Cheapest test first: most saved tensors of a small model stop here, for the cost of two attribute reads.
+        if tensor.device != self._device or not policy.plain_dense(tensor):
+            return _keep(tensor)
         storage = tensor.untyped_storage()
         storage_nbytes = storage.nbytes()
         if storage_nbytes < self.options.min_tensor_bytes or not self._eligible(tensor):
-            return tensor
+            return _keep(tensor)
         start, end = byte_span(tensor)
         lo, hi = copy_span(start, end, storage_nbytes)
         if hi - lo < self.options.min_tensor_bytes:
-            return tensor
+            return _keep(tensor)
         if not self._segment_open:
             self._segment_open = True
             if self._cuda and self.options.mode == "streamed":
@@ -223,20 +239,19 @@ class OffloadEngine:
                 # Count only (each storage span once): the record lives until forward ends, for dedup.
                 copy.state = State.RESIDENT
                 self._counted.append(copy)
-                return tensor
+                return _keep(tensor)
             view = SavedView(copy, tensor, start)
             self._pending.append(copy)
             self._release_pending()
             return view
         if self.options.mode == "off":
-            return tensor
+            return _keep(tensor)
         if copy.state is State.OFFLOADED:
             stats.offloaded_tensors += 1  # served by a copy already on its way to the host
         return SavedView(copy, tensor, start)
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
-        if tensor.device != self._device or not policy.plain_dense(tensor):
-            return False
+        """The rules beyond device, layout and size (checked first, because they are cheaper)."""
         if policy.offload_suppressed() or policy.backward_running():
             return False
         if policy.is_parameter_like(tensor):
@@ -298,7 +313,9 @@ class OffloadEngine:
             self._stats.resident_bytes += copy.nbytes
             return
         src = copy.src
-        assert src is not None
+        assert src is not None and copy.alias is not None
+        copy.modified = copy.alias._version != copy.version  # changed in place between its save and now
+        copy.alias = None
         target = host[: copy.nbytes]
         copy.host, copy.pool = host, self._pool
         copy.state = State.OFFLOADED
@@ -392,11 +409,13 @@ class OffloadEngine:
         self._segment = []
         self._plan_prefetch()
         self._by_storage = {}
-        self._all_copies = [ref for ref in self._all_copies if ref() is not None]
 
     def _unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+        if type(saved) is tuple:
+            tensor, version = saved
+            if tensor._version != version:
+                raise modified_error(version, tensor._version)
+            return tensor
         return self._restore(saved)
 
     def _restore(self, view: SavedView) -> torch.Tensor:
@@ -408,6 +427,10 @@ class OffloadEngine:
             )
         self._seal()
         self._backward_pos = min(self._backward_pos, copy.end_pos - copy.nbytes)
+        if copy.modified:
+            raise modified_error(view.version, None)
+        if copy.alias is not None and copy.alias._version != view.version:
+            raise modified_error(view.version, copy.alias._version)
         if copy.state is not State.OFFLOADED:
             out = view.rebuild(copy.src)  # type: ignore[arg-type]
             self._prefetch()
@@ -506,6 +529,15 @@ class OffloadEngine:
                 copy.device = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
             else:
                 self._fetch(copy, on_demand=False)
+
+
+def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What autograd holds for a tensor that stays: a detached alias and its version, checked at unpack.
+
+    Returning the tensor itself would make a saved output refer to itself through its ``grad_fn``: a cycle
+    the garbage collector never frees. The version check is autograd's own, which hooks switch off.
+    """
+    return tensor.detach(), tensor._version
 
 
 def _env_int(name: str, default: int) -> int:

@@ -38,11 +38,20 @@ class HostMemoryFull(RuntimeError):
     def __init__(self, needed: int, held: int, limit: int, available: int) -> None:
         self.needed, self.held, self.limit, self.available = needed, held, limit, available
         super().__init__(
-            f"offloading needs {needed / GiB:.2f} GiB more host memory; the pool holds {held / GiB:.2f} GiB, "
-            f"its limit is host_memory_limit={limit / GiB:.2f} GiB and the machine has {available / GiB:.2f} GiB "
-            "of RAM available. Raise host_memory_limit (if RAM allows), offload less (resident_tail_bytes, "
+            f"offloading needs {_size(needed)} more host memory; the pool holds {_size(held)}, its limit is "
+            f"host_memory_limit={limit} ({_size(limit)}) and the machine has {_size(available)} of RAM available. "
+            "Raise host_memory_limit (if RAM allows), offload less (resident_tail_bytes, "
             "min_tensor_bytes, max_offload_bytes), or pass on_host_full='warn' to keep such tensors on the GPU."
         )
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the unit that keeps small numbers readable (a 1 MiB limit is not '0.00 GiB')."""
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    if nbytes >= 1 << 20:
+        return f"{nbytes / (1 << 20):.2f} MiB"
+    return f"{nbytes} bytes"
 
 
 @dataclass

@@ -78,13 +78,16 @@ class OffloadOptions:
         kwargs["compute_device"] = _parse_device(caller, kwargs.get("compute_device"))
         return cls(**kwargs)
 
-    def resolved_device(self) -> torch.device:
-        """The compute device: the option if given, else the current CUDA device, else the CPU."""
+    def resolved_device(self) -> torch.device | None:
+        """The compute device: the option if given, else the current CUDA device; ``None`` without CUDA.
+
+        CPU tensors are offloaded only when ``compute_device="cpu"`` is asked for explicitly (a test mode).
+        """
         if self.compute_device is not None:
             return self.compute_device
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return None
 
 
 def _check_bytes(caller: str, name: str, value: Any, allow_none: bool, auto: bool = False) -> None:
@@ -104,6 +107,11 @@ def _parse_device(caller: str, value: Any) -> torch.device | None:
         raise ValueError(f"{caller}(compute_device={value!r}): expected 'cuda', 'cuda:N', 'cpu' or None") from err
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"{caller}(compute_device={value!r}): expected 'cuda', 'cuda:N', 'cpu' or None")
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{caller}(compute_device={value!r}): CUDA is not available on this machine; use compute_device=None "
+            "(offload on CUDA when present) or 'cpu' (exercise the engine on CPU tensors)"
+        )
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -86,8 +86,41 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
     if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
         return True
     node = tensor.grad_fn if base is None else base.grad_fn
-    if node is not None and node.name() == "ToCopyBackward0":
-        return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in node.next_functions if nxt is not None)
+    return _cast_of_leaf(node)
+
+
+# Nodes that only re-type or re-view their input: a chain of them ending at a leaf is a weight in disguise
+# (``bf16(w.t())`` under autocast, ``w.t().to(...)``, ``w.view(...).half()``).
+_PASS_THROUGH = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ExpandBackward0",
+        "AsStridedBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "AliasBackward0",
+    }
+)
+
+
+def _cast_of_leaf(node: object, depth: int = 4) -> bool:
+    saw_cast = False
+    while node is not None and depth > 0:
+        name = node.name()  # type: ignore[attr-defined]
+        if name not in _PASS_THROUGH:
+            return False
+        saw_cast |= name == "ToCopyBackward0"
+        parents = [nxt for nxt, _ in node.next_functions if nxt is not None]  # type: ignore[attr-defined]
+        if len(parents) != 1:
+            return False
+        if type(parents[0]).__name__ == "AccumulateGrad":
+            return saw_cast  # plain views of a leaf were caught through ``_base``; a cast makes a new storage
+        node, depth = parents[0], depth - 1
     return False
 
 
