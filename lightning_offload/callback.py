@@ -264,6 +264,8 @@ class ActivationOffloadCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None:
             self._engine.uninstall()
+        if self._picture is not None:
+            self._picture.discard_batch()  # a recorded batch that never ended leaves no hooks behind
         self._log_epoch(pl_module)
 
     @override
@@ -283,6 +285,8 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._picture is not None:
+            self._picture.discard_batch()
         if self._engine is not None:
             self._engine.reset()
             self._engine = None

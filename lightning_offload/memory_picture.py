@@ -141,6 +141,19 @@ class MemoryPicture:
             return None
         return self.write(_log_dir(trainer), list(trainer.loggers), trainer.global_step, title)
 
+    def discard_batch(self) -> None:
+        """Drop a recording whose batch never ended (the module's ``on_train_batch_start`` returned -1).
+
+        What was not recorded yet is planned again for the next batches, in the same order.
+        """
+        self.close()
+        lost, self._trace, self._next = self._trace, None, None
+        if lost is None or self._done:
+            return
+        recorded = {trace.kind for trace in self._traces}
+        remaining = [kind for _, kind in sorted(self._plan.items()) if kind not in recorded]
+        self._plan = {self._batches + offset: kind for offset, kind in enumerate(remaining)}
+
     # ------------------------------------------------------------------ recording
 
     def start(self, kind: Kind, model: nn.Module, engine: OffloadEngine | None, device: torch.device) -> None:

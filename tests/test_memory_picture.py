@@ -146,3 +146,23 @@ def test_picture_pickles_without_hooks() -> None:
     assert clone._handles == [] and clone._trace is None
     picture.close()
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_recorded_batch_skipped_by_the_module_leaves_no_hooks(tmp_path: Path) -> None:
+    """``on_train_batch_start`` returning -1 ends the epoch without ``on_train_batch_end`` for that batch."""
+    model = make_module(pl, batches=4)
+    skipped: list[int] = []
+
+    def skip_second(batch: torch.Tensor, batch_idx: int) -> int | None:
+        if batch_idx == 1 and not skipped:  # the batch the picture records
+            skipped.append(batch_idx)
+            return -1
+        return None
+
+    model.on_train_batch_start = skip_second
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path, max_epochs=2, logger=False, callbacks=[callback])).fit(model)
+    assert skipped == [1]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert kinds(callback) == ["offloaded", "baseline"]  # recorded again in the next epoch
+    assert_picture(tmp_path / FILENAME)
