@@ -14,7 +14,8 @@ import torch
 
 from lightning_offload.bench import anchors, report
 from lightning_offload.bench.__main__ import parse_args
-from lightning_offload.bench.workloads import MODES, WORKLOADS, engine_kwargs
+from lightning_offload.bench.workloads import MODES, WORKLOADS, Mode, engine_kwargs
+from lightning_offload.options import OffloadOptions
 
 GiB = 1 << 30
 HAVE_HF = all(importlib.util.find_spec(name) is not None for name in ("transformers", "peft", "matplotlib"))
@@ -54,12 +55,14 @@ def test_tiny_pipeline_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         if "streamed-all" in rows:
             stats = rows["streamed-all"]["engine"]
             assert stats["offloaded_bytes"] > 0
-            assert stats["offloaded_bytes"] == stats["eligible_bytes"]  # no tail, no pacing: everything left
+            assert stats["offloaded_bytes"] == stats["eligible_bytes"]  # no tail, no budget: everything left
         if "off" in rows:
             assert rows["off"]["engine"]["offloaded_bytes"] == 0
 
     text = (tmp_path / "cpu-test.md").read_text()
-    assert "## Verdicts" in text and "## Environment" in text
+    assert "## Verdicts" in text and "## Environment" in text and "## Definitions" in text
+    for key in ("P1", "P1b", "P2", "P3", "P4", "G"):
+        assert f"\n| {key} | **" in text, key  # one verdict line each
     for name in WORKLOADS:
         assert f"## {name}" in text
     assert (tmp_path / "cpu-test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -77,10 +80,45 @@ def test_cli_rejects_unknown_names() -> None:
 
 
 def test_tiny_byte_knobs_keep_zero_and_none() -> None:
+    MiB = 1 << 20
+    # streamed-all: only the tail is set, to 0, and 0 stays 0 (not the tiny default tail); pacing is the engine's.
+    assert engine_kwargs(MODES["streamed-all"], tiny_run=False) == {"mode": "streamed", "resident_tail_bytes": 0}
     knobs = engine_kwargs(MODES["streamed-all"], tiny_run=True)
-    assert knobs["resident_tail_bytes"] == 0 and knobs["max_inflight_bytes"] is None
-    assert engine_kwargs(MODES["pace-2G"], tiny_run=True)["max_inflight_bytes"] == 2 * GiB // 1024
-    assert engine_kwargs(MODES["pace-2G"], tiny_run=False) == {"mode": "streamed", "max_inflight_bytes": 2 * GiB}
+    assert knobs == {"mode": "streamed", "resident_tail_bytes": 0, "min_tensor_bytes": 1024}
+    # "auto" is not a byte count: it survives the scaling; the tail gets the tiny default.
+    knobs = engine_kwargs(MODES["auto"], tiny_run=True)
+    assert knobs["max_offload_bytes"] == "auto" and knobs["resident_tail_bytes"] == 256 * MiB // 1024
+    assert engine_kwargs(MODES["auto"], tiny_run=False) == {"mode": "streamed", "max_offload_bytes": "auto"}
+    # Budgets are ints: scaled by 1024 in --tiny runs, untouched otherwise.
+    assert engine_kwargs(MODES["budget-2G"], tiny_run=False) == {"mode": "streamed", "max_offload_bytes": 2 * GiB}
+    assert engine_kwargs(MODES["budget-2G"], tiny_run=True)["max_offload_bytes"] == 2 * GiB // 1024
+    # Every int byte knob scales; None (no limit) and 0 keep their meaning.
+    mode = Mode(
+        "x",
+        "ours",
+        engine={"resident_tail_bytes": 8 * GiB, "max_inflight_bytes": 512 * MiB, "max_offload_bytes": None},
+    )
+    knobs = engine_kwargs(mode, tiny_run=True)
+    assert knobs["resident_tail_bytes"] == 8 * MiB and knobs["max_inflight_bytes"] == 512 * 1024
+    assert knobs["max_offload_bytes"] is None
+    mode = Mode("y", "ours", engine={"max_inflight_bytes": None, "max_offload_bytes": 0})
+    knobs = engine_kwargs(mode, tiny_run=True)
+    assert knobs["max_inflight_bytes"] is None and knobs["max_offload_bytes"] == 0
+    assert mode.engine == {"max_inflight_bytes": None, "max_offload_bytes": 0}  # the mode itself is not changed
+
+
+def test_budget_modes_and_every_engine_mode_is_valid() -> None:
+    assert not [name for name in MODES if name.startswith(("pace-", "tail-"))]
+    budgets = {name: mode.engine["max_offload_bytes"] for name, mode in MODES.items() if name.startswith("budget-")}
+    assert budgets and all(value == int(name[len("budget-") : -1]) * GiB for name, value in budgets.items())
+    assert all(MODES[name].sweep for name in budgets)
+    for workload in WORKLOADS.values():
+        assert set(workload.modes) <= set(MODES), workload.name
+    # The kwargs of every mode, full-size and tiny, pass the engine's own validation.
+    for mode in MODES.values():
+        if mode.engine is not None:
+            for tiny_run in (False, True):
+                OffloadOptions.create("test", **engine_kwargs(mode, tiny_run))
 
 
 def test_missing_anchor_is_reported_not_raised() -> None:
@@ -176,60 +214,147 @@ def test_bound_of_checkpointed_rows_uses_checkpointing_alone() -> None:
     assert result["rows"][2]["t_bound_s"] == pytest.approx(0.1 + 0.25 + 0.05)  # D/B small: compute-bound
 
 
-def test_p1_and_p1b() -> None:
+def test_checkpoint_input_bytes() -> None:
+    # layers x batch x seq x hidden x 2 bytes (bf16)
+    assert report.checkpoint_input_gib(WORKLOADS["llama8b-lora-s8k"].as_dict()) == pytest.approx(2.0)  # 32x1x8192x4096
+    assert report.checkpoint_input_gib(WORKLOADS["llama1b-s4k"].as_dict()) == pytest.approx(0.5)  # 16x2x4096x2048
+    assert report.checkpoint_input_gib(WORKLOADS["llama1b-s16k"].as_dict()) == pytest.approx(1.0)  # 16x1x16384x2048
+
+
+def test_p1_streamed_all_against_the_copy_bound() -> None:
+    # T_bound = 0.2 + 0.2 + 0.05 = 0.45 s (11 GB each way over 55 GB/s).
     none = _row("none", 0.35, 30.0, fwd=0.1, bwd=0.2, opt=0.05)
-    close = _row("streamed-all", 0.50, 20.0, offloaded_gib=11e9 / GiB, d2h=50.0, h2d=48.0)
-    verdicts = _by_key([_result("llama1b-s4k", [none, close])])
-    assert verdicts["P1"].status == "met" and "1.11x" in verdicts["P1"].detail
-    assert verdicts["P1b"].status == "met"
-    slow = _row("streamed-all", 0.60, 20.0, offloaded_gib=11e9 / GiB, d2h=30.0, h2d=48.0)
-    verdicts = _by_key([_result("llama1b-s4k", [none, slow])])
-    assert verdicts["P1"].status == "missed"
-    assert verdicts["P1b"].status == "missed" and "55%" in verdicts["P1b"].detail
+    close = _row("streamed-all", 0.50, 20.0, offloaded_gib=11e9 / GiB)
+    verdict = _by_key([_result("llama1b-s4k", [none, close])])["P1"]
+    assert verdict.status == "met" and "1.11x" in verdict.detail  # 0.50 / 0.45
+    slow = _row("streamed-all", 0.52, 20.0, offloaded_gib=11e9 / GiB)
+    verdict = _by_key([_result("llama1b-s4k", [none, slow])])["P1"]
+    assert verdict.status == "missed" and "1.16x" in verdict.detail  # 0.52 / 0.45 > 1.15
+    # Any workload over the bound misses P1.
+    verdict = _by_key([_result("llama1b-s4k", [none, close]), _result("llama1b-s16k", [none, slow])])["P1"]
+    assert verdict.status == "missed" and "llama1b-s4k" in verdict.detail and "llama1b-s16k" in verdict.detail
+    # Only `streamed-all` is judged: another row at the bound does not stand in for it.
+    other = _row("streamed", 0.45, 22.0, offloaded_gib=11e9 / GiB)
+    assert _by_key([_result("llama1b-s4k", [none, other])])["P1"].status == "n/a"
     # No link measured (CPU): nothing to judge.
-    verdicts = _by_key([_result("llama1b-s4k", [none, slow], link={})])
-    assert verdicts["P1"].status == "n/a" and verdicts["P1b"].status == "n/a"
+    assert _by_key([_result("llama1b-s4k", [none, slow], link={})])["P1"].status == "n/a"
 
 
-def test_p2_against_both_checkpointing_rows() -> None:
-    base = [_row("none", 1.0, 100.0), _row("ac", 1.40, 43.0), _row("ac-ours", 1.38, 43.0)]
-    good = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.42, 31.0, offloaded_gib=4.0)])])
-    assert good["P2"].status == "met"
-    assert "the time of ac," in good["P2"].detail and "the time of ac-ours," in good["P2"].detail
-    slow = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.50, 31.0, offloaded_gib=4.0)])])
-    assert slow["P2"].status == "missed"  # 1.087x ac-ours
-    fat = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.40, 44.0, offloaded_gib=4.0)])])
-    assert fat["P2"].status == "missed"  # no memory saved
-
-
-def test_p3_needs_a_faster_row_at_the_anchor_memory() -> None:
+def test_p1b_ahead_of_every_anchor() -> None:
     base = [_row("none", 0.18, 34.1), _row("trl", 0.73, 24.5), _row("save_on_cpu", 1.29, 20.9)]
-    ours = [_row("streamed", 0.40, 21.0, offloaded_gib=10.0), _row("pace-2G", 0.25, 26.0, offloaded_gib=4.0)]
-    verdicts = _by_key([_result("llama1b-s4k", base + ours)])
-    assert verdicts["P3"].status == "met"  # streamed fits both anchors' peaks (21.0 <= 20.9 * 1.05) and is faster
-    assert "streamed" in verdicts["P3"].detail
-    slow = [_row("streamed", 1.5, 21.0, offloaded_gib=10.0)]
-    verdicts = _by_key([_result("llama1b-s4k", base + slow)])
-    assert verdicts["P3"].status == "missed"
-    big = [_row("pace-2G", 0.25, 30.0, offloaded_gib=4.0)]
-    verdicts = _by_key([_result("llama1b-s4k", base + big)])
-    assert verdicts["P3"].status == "missed" and "none of ours reaches" in verdicts["P3"].detail
+    ours = [_row("streamed", 0.40, 20.9, offloaded_gib=10.0), _row("budget-2G", 0.25, 26.0, offloaded_gib=4.0)]
+    verdict = _by_key([_result("llama1b-s4k", base + ours)])["P1b"]
+    assert verdict.status == "met"  # streamed: peak <= both anchors' (equal counts) and faster than both
+    assert "llama1b-s4k/trl" in verdict.detail and "llama1b-s4k/save_on_cpu" in verdict.detail
+    assert "vs streamed" in verdict.detail and "3.23x faster" in verdict.detail  # 1.29 / 0.40
+    # The fastest row under each anchor's peak is the one compared: budget-4G fits trl (24.0 <= 24.5).
+    budget = _row("budget-4G", 0.30, 24.0, offloaded_gib=6.0)
+    verdict = _by_key([_result("llama1b-s4k", [*base, *ours, budget])])["P1b"]
+    assert verdict.status == "met" and "vs budget-4G" in verdict.detail
+    # Equal peak and equal step time are enough, anchor by anchor.
+    tie = [_row("streamed", 1.29, 20.9, offloaded_gib=10.0), _row("budget-4G", 0.73, 24.5, offloaded_gib=6.0)]
+    assert _by_key([_result("llama1b-s4k", base + tie)])["P1b"].status == "met"
+    # Missed on time: at the anchors' memory but slower than save_on_cpu.
+    slow = [_row("streamed", 1.5, 20.0, offloaded_gib=10.0)]
+    assert _by_key([_result("llama1b-s4k", base + slow)])["P1b"].status == "missed"
+    # Missed on memory: no slack on the peak, 21.0 GiB does not reach save_on_cpu's 20.9.
+    fat = [_row("streamed", 0.40, 21.0, offloaded_gib=10.0)]
+    verdict = _by_key([_result("llama1b-s4k", base + fat)])["P1b"]
+    assert verdict.status == "missed" and "save_on_cpu: none of ours reaches its peak 20.9 GiB" in verdict.detail
+    # Checkpointing rows and `off` are not offloading rows: they cannot stand in.
+    others = [
+        _row("ac+offload", 0.30, 15.0, offloaded_gib=1.0),
+        _row("off", 0.18, 20.0, offloaded_gib=0.0),
+        _row("ac-ours", 0.22, 18.0),
+    ]
+    verdict = _by_key([_result("llama1b-s4k", base + others)])["P1b"]
+    assert verdict.status == "missed" and "none of ours reaches" in verdict.detail
     # Anchors that did not run leave nothing to judge.
     missing = {**_row("trl", 0.0), "status": "not available: trl: ModuleNotFoundError"}
-    verdicts = _by_key([_result("llama1b-s4k", [base[0], missing, *ours])])
-    assert verdicts["P3"].status == "n/a"
+    assert _by_key([_result("llama1b-s4k", [base[0], missing, *ours])])["P1b"].status == "n/a"
+
+
+def test_p1b_survives_a_failed_none_row() -> None:
+    rows = [{**_row("none", 0.0), "status": "OOM"}, _row("trl", 0.73, 24.5), _row("streamed", 0.4, 20.0)]
+    verdicts = _by_key([_result("llama1b-s4k", rows)])
+    assert verdicts["P1b"].status == "met" and "1.82x faster" in verdicts["P1b"].detail
+    assert report.markdown([_result("llama1b-s4k", rows)], "unit")
+
+
+def test_p2_time_and_checkpoint_input_bytes_against_ac() -> None:
+    # llama8b-lora-s8k: checkpoint inputs 2.0 GiB, so the peak must be <= 43.0 - 0.8 x 2.0 = 41.4 GiB.
+    # `ac-ours` is deliberately faster: P2 compares with `ac` only.
+    base = [_row("none", 1.0, 100.0), _row("ac", 1.40, 43.0), _row("ac-ours", 1.30, 43.0)]
+    good = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.44, 41.4, offloaded_gib=4.0)])])["P2"]
+    assert good.status == "met"  # 1.029x `ac`, peak on the target
+    assert "1.029x the time of `ac`" in good.detail
+    assert "target <= 41.40" in good.detail and "checkpoint inputs 2.00 GiB" in good.detail
+    slow = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.45, 31.0, offloaded_gib=4.0)])])["P2"]
+    assert slow.status == "missed" and "1.036x" in slow.detail  # 1.45 / 1.40 > 1.03
+    # Below `ac`'s peak, but by less than 80% of the checkpoint inputs.
+    fat = _by_key([_result("llama8b-lora-s8k", [*base, _row("ac+offload", 1.40, 41.5, offloaded_gib=4.0)])])["P2"]
+    assert fat.status == "missed"
+    # The input bytes scale with the workload: on llama1b-s4k (0.5 GiB of inputs) 42.5 GiB is enough.
+    small = [_row("none", 1.0, 60.0), _row("ac", 1.40, 43.0), _row("ac+offload", 1.40, 42.6, offloaded_gib=1.0)]
+    assert _by_key([_result("llama1b-s4k", small)])["P2"].status == "met"
+    small[-1]["peak_alloc_gib"] = 42.7
+    assert _by_key([_result("llama1b-s4k", small)])["P2"].status == "missed"
+    # Without `ac` (or without peaks, on a CPU) there is nothing to judge.
+    no_ac = [base[0], base[2], _row("ac+offload", 1.30, 31.0, offloaded_gib=4.0)]
+    assert _by_key([_result("llama8b-lora-s8k", no_ac)])["P2"].status == "n/a"
+    no_peaks = [_row("none", 1.0), _row("ac", 1.4), _row("ac+offload", 1.4, offloaded_gib=4.0)]
+    assert _by_key([_result("llama8b-lora-s8k", no_peaks)])["P2"].status == "n/a"
+
+
+def test_p3_free_memory_within_five_percent_of_none() -> None:
+    # none: 0.180 s, fwd 0.055 s; link 55 GB/s: 55e9 x 0.055 B = 2.82 GiB moves during forward.
+    none = _row("none", 0.180, 34.1, fwd=0.055)
+    ours = [
+        _row("budget-2G", 0.185, 32.0, offloaded_gib=2.0),  # 1.028x, saves 2.1 GiB
+        _row("budget-4G", 0.1885, 31.0, offloaded_gib=4.0),  # 1.047x, saves 3.1 GiB: the largest "free" saving
+        _row("streamed", 0.50, 20.0, offloaded_gib=14.0),  # saves more, but 2.78x: not free
+        _row("ac+offload", 0.185, 20.0, offloaded_gib=1.0),  # checkpointing: not counted
+        _row("off", 0.180, 30.0, offloaded_gib=0.0),  # nothing offloaded: not counted
+    ]
+    verdict = _by_key([_result("llama1b-s4k", [none, *ours])])["P3"]
+    assert verdict.status == "met"
+    assert "budget-4G saves 3.10 GiB of peak at 1.047x" in verdict.detail
+    assert "link x forward time = 2.82 GiB" in verdict.detail
+    # Missed: nothing of ours within 1.05x of `none`.
+    slow = [_row("streamed", 0.50, 20.0, offloaded_gib=14.0), _row("budget-4G", 0.19, 31.0, offloaded_gib=4.0)]
+    verdict = _by_key([_result("llama1b-s4k", [none, *slow])])["P3"]
+    assert verdict.status == "missed" and "no row of ours within 1.05x" in verdict.detail  # 0.19 / 0.18 = 1.056x
+    # Missed: within 1.05x but no memory saved.
+    nothing = [_row("budget-1G", 0.181, 34.1, offloaded_gib=0.0)]
+    assert _by_key([_result("llama1b-s4k", [none, *nothing])])["P3"].status == "missed"
+    # One workload without free memory misses P3 for the benchmark.
+    both = [_result("llama1b-s4k", [none, *ours]), _result("llama1b-s16k", [none, *nothing])]
+    assert _by_key(both)["P3"].status == "missed"
+    # No peaks (CPU): nothing to judge.
+    cpu = [_row("none", 0.18), _row("budget-2G", 0.185, offloaded_gib=2.0)]
+    assert _by_key([_result("llama1b-s4k", cpu)])["P3"].status == "n/a"
 
 
 def test_p4_do_no_harm() -> None:
     rows = [_row("none", 0.100, 3.0), _row("off", 0.101, 3.0, offloaded_gib=0.0), _row("streamed", 0.104, 2.5)]
     rows[2]["engine"] = {"offloaded_bytes": 0.5 * GiB}
     assert _by_key([_result("small-h512", rows)])["P4"].status == "met"
+    rows[1]["peak_alloc_gib"] = 4.0  # peaks are not part of P4
+    assert _by_key([_result("small-h512", rows)])["P4"].status == "met"
     rows[2]["step_s"] = 0.2
     verdict = _by_key([_result("small-h512", rows)])["P4"]
-    assert verdict.status == "missed" and "2.000x" in verdict.detail
+    assert verdict.status == "missed" and "small-h512/streamed: 2.000x" in verdict.detail
     rows[2]["step_s"] = 0.1
-    rows[1]["peak_alloc_gib"] = 4.0
+    rows[1]["step_s"] = 0.103  # off at 1.03x
     assert _by_key([_result("small-h512", rows)])["P4"].status == "missed"
+    # `off` is judged wherever it ran; `streamed` only on small-h512 (elsewhere it is meant to trade time).
+    big = [_row("none", 0.18, 34.1), _row("off", 0.1836, 34.1, offloaded_gib=0.0), _row("streamed", 0.5, 22.0)]
+    verdict = _by_key([_result("llama1b-s4k", big)])["P4"]
+    assert verdict.status == "met" and "llama1b-s4k/off: 1.020x" in verdict.detail and "streamed" not in verdict.detail
+    big[1]["step_s"] = 0.185  # 1.028x
+    assert _by_key([_result("llama1b-s4k", big)])["P4"].status == "missed"
+    # Neither row ran: nothing to judge.
+    assert _by_key([_result("llama8b-lora-s8k", [big[0], big[2]])])["P4"].status == "n/a"
 
 
 def test_gradient_agreement_and_failed_rows() -> None:
@@ -243,7 +368,15 @@ def test_gradient_agreement_and_failed_rows() -> None:
     assert "ratio" not in result["rows"][2]  # failed rows get no derived numbers
     verdict = _by_key([result])["G"]
     assert verdict.status == "missed" and "llama1b-s4k/ac" in verdict.detail
+    assert "streamed" not in verdict.detail  # only the rows out of tolerance are listed
     assert _by_key([_result("llama1b-s4k", rows[:2])])["G"].status == "met"
+    # The tolerance is inclusive; `none` itself is not compared.
+    edge = [_row("none", 1.0, 30.0, grad=1.0), _row("streamed", 1.2, 20.0, grad=report.GRAD_TOLERANCE)]
+    verdict = _by_key([_result("llama1b-s4k", edge)])["G"]
+    assert verdict.status == "met" and verdict.detail.startswith("1 rows compared")
+    edge[1]["grad_rel_diff"] = 2.1e-2
+    assert _by_key([_result("llama1b-s4k", edge)])["G"].status == "missed"
+    assert _by_key([_result("llama1b-s4k", rows[:1])])["G"].status == "n/a"
 
 
 def test_markdown_and_terminal_table_render_every_row() -> None:
