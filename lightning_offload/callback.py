@@ -55,8 +55,8 @@ class ActivationOffloadCallback(Callback):
         max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
             waits for them (on the device), bounding the memory copies in flight hold. ``None``: 512 MiB when
             everything eligible is offloaded, unbounded with ``max_offload_bytes``.
-        prefetch_bytes: the least lead of a host-to-device copy, in bytes saved during forward; a model of the
-            link starts copies earlier when they need longer to arrive.
+        prefetch_bytes: the most bytes fetched back ahead of backward and not yet used; a model of the link
+            decides when each copy starts.
         host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
             by the processes on this machine.
         on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``
@@ -155,6 +155,7 @@ class ActivationOffloadCallback(Callback):
         self._stepped = False  # an optimizer step ran in this batch
         self._reset_peaks = True  # the next batch opens a new optimizer step (accumulation window)
         self._last_stats = OffloadStats()
+        self._batch_started = False
 
     @property
     def stats(self) -> OffloadStats:
@@ -197,19 +198,24 @@ class ActivationOffloadCallback(Callback):
                 self._active = False
                 return
             options = OffloadOptions(**{**options.__dict__, "compute_device": device})
+        self._engine = OffloadEngine(options, model=pl_module)
+        self._active = True
+        self._setup_reporting(trainer, device)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        # Both need what only exists now: the blocks ``configure_model`` builds, the optimizers Lightning set up.
         if self.checkpoint is not None:
             from lightning_offload.checkpointing import apply_checkpointing
 
             apply_checkpointing(pl_module, self.checkpoint)
-        self._engine = OffloadEngine(options, model=pl_module)
-        self._active = True
-        optimizers = trainer.optimizers or []
         # A batch that runs forward again after a backward (LBFGS calls its closure repeatedly; manual optimization
         # may call backward several times) keeps the hooks until the batch ends.
         self._leave_after_backward = pl_module.automatic_optimization and not any(
-            isinstance(opt, torch.optim.LBFGS) for opt in optimizers
+            isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
         )
-        self._setup_reporting(trainer, device)
 
     @override
     def on_train_batch_start(
@@ -222,6 +228,7 @@ class ActivationOffloadCallback(Callback):
         if device is not None and self._reset_peaks:
             torch.cuda.reset_peak_memory_stats(device)
         self._reset_peaks = False
+        self._batch_started = True
         picture = self._picture
         self._plain_batch = picture is not None and not picture.offload_batch()
         if not engine.installed and not self._plain_batch:
@@ -255,6 +262,11 @@ class ActivationOffloadCallback(Callback):
         if not self._active or engine is None:
             return
         engine.uninstall()
+        if not self._batch_started:
+            # Lightning skipped on_train_batch_start (the dataloader yielded None): nothing was offloaded.
+            self._last_stats = OffloadStats()
+            return
+        self._batch_started = False
         if self._picture is not None:
             self._picture.on_batch_end(trainer, self._picture_title())
         self._log(trainer, pl_module, engine)

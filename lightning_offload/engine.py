@@ -32,6 +32,8 @@ from lightning_offload.streams import TimingEvents, copy_streams, profiler_range
 # The default host limit takes this share of the RAM available when the engine first copies, split between the
 # processes of this machine (each rank has its own pool).
 _DEFAULT_HOST_SHARE = 0.8
+# The least lead of a copy back, in bytes saved during forward, whatever the link model says.
+_PREFETCH_FLOOR = 64 << 20
 
 
 class OffloadEngine:
@@ -137,6 +139,8 @@ class OffloadEngine:
         self._inflight_bytes = 0
         self._fetch_queue: list[weakref.ref[StorageCopy]] = []  # sealed forward, next to prefetch at the end
         self._fetch_at: list[float] = []  # backward position at which each queued copy must start coming back
+        self._prefetched: deque[tuple[weakref.ref[StorageCopy], int]] = deque()  # fetched ahead, not yet used
+        self._prefetched_bytes = 0
         self._all_copies: list[weakref.ref[StorageCopy]] = []
         self._window_first_copy = 0  # copies made before this index belong to earlier windows
         self._stall_timer = TimingEvents()
@@ -499,18 +503,19 @@ class OffloadEngine:
         Positions are bytes saved in forward; backward walks them downwards. The host -> device stream serves
         copies in the order backward needs them, so a copy must also start early enough for the ones after it:
         a pass from the last-needed copy up gives each its latest start. Fetching no earlier keeps prefetched
-        bytes out of the backward peak; ``prefetch_bytes`` is the least lead any copy gets.
+        bytes out of the backward peak; ``prefetch_bytes`` caps what is fetched and not yet used.
         """
         lead = self._schedule.backward_lead()
-        floor = self.options.prefetch_bytes
-        latest_start = float("inf")
+        floor = _PREFETCH_FLOOR
+        latest_start = float("-inf")
         plan = []
         for ref in self._fetch_queue:  # lowest position (needed last) first
             copy = ref()
             if copy is None:
                 plan.append(float("inf"))  # dead: drop it whenever the walk reaches it
                 continue
-            finish = min(float(copy.end_pos), latest_start)
+            # Done before backward reaches it, and before the copy after it in the queue must start.
+            finish = max(float(copy.end_pos), latest_start)
             latest_start = finish + copy.nbytes * lead
             plan.append(max(latest_start, float(copy.end_pos + floor)))
         self._fetch_at = plan
@@ -519,9 +524,16 @@ class OffloadEngine:
         """Start the copies back whose planned start backward has reached, latest-saved first."""
         if self.options.mode != "streamed" or not self._cuda:
             return
+        ahead = self._prefetched
+        while ahead and (ahead[0][0]() is None or ahead[0][0]().device is None):  # type: ignore[union-attr]
+            self._prefetched_bytes -= ahead.popleft()[1]
         queue, plan = self._fetch_queue, self._fetch_at
+        cap = self.options.prefetch_bytes
         while queue and plan[-1] >= self._backward_pos:
-            copy = queue.pop()()
+            copy = queue[-1]()
+            if copy is not None and self._prefetched_bytes and self._prefetched_bytes + copy.nbytes > cap:
+                return  # memory bound: the rest follows as backward consumes what came back
+            queue.pop()
             plan.pop()
             if copy is None or copy.state is not State.OFFLOADED or copy.device is not None:
                 continue
@@ -529,6 +541,8 @@ class OffloadEngine:
                 copy.device = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
             else:
                 self._fetch(copy, on_demand=False)
+            ahead.append((weakref.ref(copy), copy.nbytes))
+            self._prefetched_bytes += copy.nbytes
 
 
 def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -593,9 +607,9 @@ def offload_activations(
             stream waits for the oldest copy (a device-side wait), so memory held by copies in flight stays
             bounded. ``None``: 512 MiB when everything eligible is offloaded; no bound with
             ``max_offload_bytes`` (copies of the earliest tensors catch up long before forward ends).
-        prefetch_bytes: the least lead of a host -> device copy, in bytes saved during forward: a copy comes
-            back once backward is within this many saved bytes of it, or earlier when a model of the link
-            (forward's measured pace against the link's bandwidth) says it needs longer to arrive.
+        prefetch_bytes: the most bytes fetched back ahead of backward and not yet used (device memory that
+            prefetching may hold). When each copy starts comes from a model of the link: forward's measured
+            pace against the link's bandwidth.
         host_memory_limit: the most host memory the pool may hold, in bytes. ``None``: 80% of the RAM
             available at first use, divided by ``LOCAL_WORLD_SIZE``.
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors

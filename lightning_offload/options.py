@@ -24,9 +24,9 @@ DEFAULT_MIN_TENSOR_BYTES = 1 * MiB
 # Tensors saved last in forward are needed first in backward; offloading them buys a round trip with nothing to
 # hide it. 256 MiB is a few hundred microseconds of backward compute for the models this targets.
 DEFAULT_RESIDENT_TAIL_BYTES = 256 * MiB
-# The least lead a copy back gets, in bytes saved during forward; the link model adds what each copy needs. Small,
-# because every prefetched byte sits in device memory until backward uses it.
-DEFAULT_PREFETCH_BYTES = 256 * MiB
+# At most this much fetched back ahead of backward and not yet used: two to three decoder layers of a 1-8B model at
+# 4-8k tokens. It bounds the device memory prefetching holds; the link model decides when each copy starts.
+DEFAULT_PREFETCH_BYTES = 2 * GiB
 # Device -> host copies may lag forward by this much before the compute stream waits for them: ~10 ms of PCIe.
 # It bounds the extra device memory that copies in flight hold, so streamed never needs much more than sync.
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * MiB
