@@ -361,7 +361,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     from matplotlib.lines import Line2D
 
     legend = [Line2D([], [], marker=m, color=c, linestyle="", label=group) for group, (m, c) in styles.items()] + [
-        Line2D([], [], color="tab:blue", alpha=0.6, label="our curve (tail / pacing)")
+        Line2D([], [], color="tab:blue", alpha=0.6, label="our curve (max_offload_bytes sweep)")
     ]
     axes[0][0].legend(handles=legend, fontsize=7, loc="upper right")
     fig.tight_layout()
