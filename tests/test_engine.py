@@ -867,3 +867,33 @@ def test_off_mode_counts_what_sync_would_offload() -> None:
         if mode == "sync":
             assert engine.stats.offloaded_bytes == counts["sync"]
     assert counts["off"] == counts["sync"]
+
+
+def test_lesson4_view_that_outlives_its_backward_keeps_its_values() -> None:
+    """Lesson 4: a restored tensor may be aliased by a view that outlives its backward node; later steps reuse the
+    host buffers, and the escaped view must keep its values (the engine never frees or reuses what it handed out)."""
+    escaped: list[torch.Tensor] = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            y = x * 2
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            (y,) = ctx.saved_tensors
+            escaped.append(y[1:])  # a view of the restored tensor, kept past backward
+            return grad * 2
+
+    engine = offload_activations(compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    with engine:
+        Keep.apply(x).sum().backward()
+    assert engine.stats.offloaded_bytes > 0
+    kept = escaped[0].clone()
+    for _ in range(3):  # the same pool buffers are handed out again and overwritten
+        with engine:
+            Keep.apply(torch.randn(64, 64, requires_grad=True)).sum().backward()
+    assert torch.equal(escaped[0], kept)

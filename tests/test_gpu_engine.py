@@ -195,3 +195,36 @@ def test_stall_measured_and_retain_graph() -> None:
     stats = engine.stats
     assert stats.stall_ms >= 0.0 and stats.d2h_ms > 0 and stats.h2d_ms > 0
     assert stats.d2h_gbps() > 1.0
+
+
+def test_lesson2_and_3_reused_memory_cannot_corrupt_copies() -> None:
+    """Lessons 2 and 3: a source whose copy out is in flight, and a buffer a copy back writes into, are never handed
+    to new tensors early. Forward and backward each run while other work churns the allocator with garbage fills;
+    the gradients still equal the plain ones. (Added after the session's last H200 run: not yet run there.)"""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=6).cuda()
+    tokens = torch.randint(0, 4096, (4, 1024), device="cuda")
+    reference = _grads(model, tokens, None, True)
+    engine = offload_activations(model=model, max_inflight_bytes=None, **EVERYTHING)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16), engine:
+            loss = model(tokens)
+        junk = [torch.full((64 << 20,), float("nan"), device="cuda") for _ in range(8)]  # reuses freed blocks
+        del junk
+        loss.backward()
+        for ref, p in zip(reference, model.parameters(), strict=True):
+            assert torch.equal(ref, p.grad)
+
+
+def test_lesson11_streams_created_once() -> None:
+    """Lesson 11: the copy streams are created once per device and process, not per engine or step."""
+    from lightning_offload.streams import copy_streams
+
+    first = copy_streams(torch.device("cuda"))
+    for _ in range(3):
+        engine = offload_activations(**EVERYTHING)
+        with engine:
+            pass
+    assert copy_streams(torch.device("cuda")) == first
+    assert copy_streams(torch.device("cuda", torch.cuda.current_device())) == first
