@@ -1,16 +1,19 @@
 """The offload engine: ``saved_tensors_hooks`` that move activations to host memory and bring them back.
 
 Data flows one way. In forward, ``pack`` asks the policy whether a saved tensor may leave the device, finds or
-creates the ``StorageCopy`` of its storage span, and returns a ``SavedView`` to autograd. Copies leave the
-resident tail (and the pacing bound) in save order and go device -> host on a copy stream into pooled host
-buffers. In backward, ``unpack`` rebuilds the tensor from its span; the first unpack of a forward seals it and
-starts prefetching host -> device in reverse save order, within a byte budget, on the other copy stream.
+creates the ``StorageCopy`` of its storage span, and returns a ``SavedView`` to autograd. Copies leave once out of
+the resident tail (and within ``max_offload_bytes``), in save order, device -> host on a copy stream into pooled
+host buffers; a model of the link (``schedule.py``) says where in forward each copy is done, and the compute stream
+waits there (on the device) before the source is released. In backward, ``unpack`` rebuilds the tensor from its
+span; the first unpack of a forward seals it and plans, per copy, the latest point to start bringing it back on
+the other copy stream, in reverse save order, with at most ``prefetch_bytes`` fetched ahead.
 
 Torch only: no Lightning import, so plain training loops can use it as a context manager.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections import deque
@@ -555,8 +558,6 @@ def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _env_int(name: str, default: int) -> int:
-    import os
-
     try:
         return int(os.environ.get(name, default))
     except ValueError:
