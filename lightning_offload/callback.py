@@ -198,7 +198,9 @@ class ActivationOffloadCallback(Callback):
                 self._active = False
                 return
             options = OffloadOptions(**{**options.__dict__, "compute_device": device})
-        self._engine = OffloadEngine(options, model=pl_module)
+        # One process per device on this machine (ddp, ddp_spawn, fsdp): Lightning's launchers do not set
+        # LOCAL_WORLD_SIZE, so the count comes from the trainer.
+        self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
         self._active = True
         self._setup_reporting(trainer, device)
 

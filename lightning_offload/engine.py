@@ -46,8 +46,13 @@ class OffloadEngine:
     See :func:`offload_activations` for the options.
     """
 
-    def __init__(self, options: OffloadOptions, model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, options: OffloadOptions, model: torch.nn.Module | None = None, local_processes: int | None = None
+    ) -> None:
         self.options = options
+        # Processes on this machine, each with its own pool: the default host limit is split between them.
+        # ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's own launchers pass the count instead).
+        self.local_processes = local_processes
         self._model_ref = weakref.ref(model) if model is not None else None
         self._params = policy.ParameterStorages()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -205,7 +210,8 @@ class OffloadEngine:
         if self._host_limit is None:
             limit = self.options.host_memory_limit
             if limit is None:
-                ranks = max(1, int(_env_int("LOCAL_WORLD_SIZE", 1)))
+                ranks = self.local_processes or _env_int("LOCAL_WORLD_SIZE", 1)
+                ranks = max(1, ranks)
                 available = psutil.virtual_memory().available
                 limit = self._pool.reserved_bytes + int(available * _DEFAULT_HOST_SHARE / ranks)
             self._host_limit = limit
