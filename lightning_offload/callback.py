@@ -377,9 +377,10 @@ class ActivationOffloadCallback(Callback):
         if summaries is None or engine is None or not self._active:
             return
         engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
-        # Every process computes (the reduction is collective), and logs the same reduced values.
+        # Every process computes (the reduction is collective), and logs the same reduced values. ``sync_dist``
+        # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
         for key, value in summaries.compute(pl_module.device).items():
-            pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1)
+            pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1, sync_dist=True)
 
 
 def _will_log(trainer: pl.Trainer) -> bool:
