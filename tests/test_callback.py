@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_offload import ActivationOffloadCallback, OffloadStats
 from lightning_offload.host_pool import pool_for
-from tests.models import CheckpointModel
+from tests.models import MLP, CheckpointModel
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
@@ -77,22 +77,6 @@ def loader(data: list[Any]) -> DataLoader:
 
 
 # ---------------------------------------------------------------------------------------------- models
-
-
-class MLP(nn.Module):
-    """Linear / GELU / LayerNorm / ReLU: saves inputs, outputs and norm statistics."""
-
-    def __init__(self, width: int = WIDTH, hidden: int = 64) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(F.gelu(self.fc1(x)))
-        h = torch.relu(self.fc2(h))
-        return self.fc3(h).pow(2).mean()
 
 
 class Block(nn.Module):
