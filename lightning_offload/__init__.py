@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
-from lightning_offload.engine import OffloadEngine, offload_activations
+from lightning_offload.context import offload_activations
+from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import HostMemoryFull, release_host_memory
 from lightning_offload.options import OffloadOptions
 from lightning_offload.policy import no_offload

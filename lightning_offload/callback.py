@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -150,6 +151,7 @@ class ActivationOffloadCallback(Callback):
         self._picture = MemoryPicture(compare=memory_picture_compare) if memory_picture else None
         self._plain_batch = False  # this batch runs without offloading (the memory picture's comparison)
         self._engine: OffloadEngine | None = None
+        self._device: torch.device | None = None  # the compute device, known from ``setup``
         self._active = False
         self._leave_after_backward = True
         self._stepped = False  # an optimizer step ran in this batch
@@ -197,11 +199,16 @@ class ActivationOffloadCallback(Callback):
                 )
                 self._active = False
                 return
-            options = OffloadOptions(**{**options.__dict__, "compute_device": device})
+            options = dataclasses.replace(options, compute_device=device)
         # One process per device on this machine (ddp, ddp_spawn, fsdp): Lightning's launchers do not set
         # LOCAL_WORLD_SIZE, so the count comes from the trainer.
         self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
+        self._device = device
         self._active = True
+        # Peaks are per optimizer step: the first batch of every fit opens one, whatever ran before it (model loading,
+        # an earlier fit, a tuner run), so the first logged peak and the epoch max describe this fit alone.
+        self._reset_peaks = True
+        self._stepped = False
         self._setup_reporting(trainer, device)
 
     @override
@@ -234,9 +241,9 @@ class ActivationOffloadCallback(Callback):
         picture = self._picture
         self._plain_batch = picture is not None and not picture.offload_batch()
         if not engine.installed and not self._plain_batch:
-            engine.__enter__()
+            engine.install()
         if picture is not None:
-            picture.on_batch_start(pl_module, engine, engine._device or pl_module.device)
+            picture.on_batch_start(pl_module, engine, engine.device or pl_module.device)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -308,10 +315,8 @@ class ActivationOffloadCallback(Callback):
         self._active = False
 
     def _cuda_device(self) -> torch.device | None:
-        engine = self._engine
-        if engine is None or engine._device is None or engine._device.type != "cuda":
-            return None
-        return engine._device
+        device = self._device
+        return device if device is not None and device.type == "cuda" else None
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
         # Peaks cover a whole optimizer step, across the micro-batches of an accumulation window.

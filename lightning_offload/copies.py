@@ -33,8 +33,8 @@ class StorageCopy:
         "__weakref__",
         "alias",
         "d2h_done",
-        "device",
         "end_pos",
+        "fetched",
         "h2d_done",
         "hi",
         "host",
@@ -60,14 +60,16 @@ class StorageCopy:
             storage, lo, (hi - lo,), (1,)
         )
         self.producer = producer  # the stream that was current when the tensor was saved
-        # Shares the saved tensor's version counter while its bytes are on the device: an in-place change after
-        # the save is an error autograd would raise (saved-tensor hooks switch its own check off).
+        # Shares the saved tensor's version counter for as long as the device bytes may still be read (resident, or
+        # a copy out not yet known to be done): an in-place change after the save is then an error autograd would
+        # raise (saved-tensor hooks switch its own check off). Once the host copy is complete and ordered before
+        # any later write, the host holds the saved values and a later in-place change can no longer reach them.
         self.alias: torch.Tensor | None = tensor.detach()
         self.modified = False
         self.state = State.PENDING
         self.host: torch.Tensor | None = None
         self.pool: HostPool | None = None
-        self.device: torch.Tensor | None = None  # the span back on the device, once fetched
+        self.fetched: torch.Tensor | None = None  # the span back on the device, once fetched
         self.d2h_done: torch.cuda.Event | None = None
         self.h2d_done: torch.cuda.Event | None = None
         self.last_use: torch.cuda.Event | None = None  # the last copy that touched ``host``
@@ -77,6 +79,19 @@ class StorageCopy:
     @property
     def nbytes(self) -> int:
         return self.hi - self.lo
+
+    def check_version(self, saved_version: int) -> None:
+        """Raise autograd's in-place error if the saved bytes were (or may have been) changed since the save."""
+        if self.modified:
+            raise modified_error(saved_version, None)
+        if self.alias is not None and self.alias._version != self.version:
+            raise modified_error(saved_version, self.alias._version)
+
+    def seal_version(self) -> None:
+        """The host copy is complete and ordered before any later work: note a change made before, stop watching."""
+        if self.alias is not None:
+            self.modified |= self.alias._version != self.version
+            self.alias = None
 
     def covers(self, lo: int, hi: int, version: int) -> bool:
         """Whether a tensor spanning ``[lo, hi)`` of the same storage, at ``version``, can be served from here."""

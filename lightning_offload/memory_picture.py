@@ -3,10 +3,9 @@
 :class:`~lightning_offload.ActivationOffloadCallback` (``memory_picture=True``) records, once per fit, the memory of
 one training batch at every module boundary: forward pre/post hooks on each submodule, a gradient hook on each
 module output (so backward is sampled module by module too), the Lightning hook boundaries (batch start, before and
-after backward, batch end) and, when the engine offers ``add_observer``, every pack/unpack. It then draws allocated
-memory against time with forward, backward and the optimizer step marked, and below it the offloaded bytes the host
-holds and the device bytes whose copies are still in flight, and writes a PNG into the logger's directory (and an
-image to TensorBoard when a TensorBoard logger is attached).
+after backward, batch end). It then draws allocated memory against time with forward, backward and the optimizer
+step marked, and below it the offloaded bytes the host holds and the device bytes whose copies are still in flight,
+and writes a PNG into the logger's directory (and an image to TensorBoard when a TensorBoard logger is attached).
 
 The recorded step is slow on purpose: on CUDA every sample synchronizes the device, so that the time stamps follow
 the device and each memory figure belongs to its point in the step. Copies then finish sooner than in a normal
@@ -169,10 +168,6 @@ class MemoryPicture:
         for module in model.modules():
             self._handles.append(module.register_forward_pre_hook(self._on_forward_pre))
             self._handles.append(module.register_forward_hook(self._on_forward))
-        observe = getattr(self._engine, "add_observer", None)
-        if callable(observe):
-            # Finer grain when the engine offers it: one sample per saved / restored tensor.
-            self._handles.append(observe(self._on_engine_event))
 
     def mark(self, phase: str) -> None:
         """Note that ``phase`` ("backward", "optimizer") starts now."""
@@ -221,9 +216,8 @@ class MemoryPicture:
         engine = self._engine
         if engine is not None:
             stats = engine.collect_stats(wait=False)
-            held, offloaded = stats.host_bytes_held, stats.offloaded_bytes
-            # Device bytes whose device -> host copy has not been retired yet (they are still held on the device).
-            inflight = int(getattr(engine, "_inflight_bytes", 0))
+            # In flight: device bytes whose device -> host copy has not been retired yet (still held on the device).
+            held, offloaded, inflight = stats.host_bytes_held, stats.offloaded_bytes, stats.inflight_bytes
         trace.t.append(now)
         trace.device_bytes.append(used)
         trace.host_held.append(held)
@@ -246,9 +240,6 @@ class MemoryPicture:
                     tensor.register_hook(self._on_grad)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
-        self.sample()
-
-    def _on_engine_event(self, event: str, nbytes: int) -> None:
         self.sample()
 
     # ------------------------------------------------------------------ drawing

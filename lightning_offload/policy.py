@@ -9,6 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from lightning_offload.copies import byte_span, copy_span
+
 _local = threading.local()
 
 
@@ -127,3 +129,26 @@ def _cast_of_leaf(node: object, depth: int = 4) -> bool:
 def plain_dense(tensor: torch.Tensor) -> bool:
     """Plain strided tensors only: subclasses (DTensor, fake and functional tensors) and sparse ones stay put."""
     return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_nested
+
+
+def offload_span(
+    tensor: torch.Tensor, device: torch.device | None, min_bytes: int, params: ParameterStorages
+) -> tuple[int, int, int, int] | None:
+    """Where a saved tensor and its copy lie, ``(start, end, span start, span end)`` in bytes, or ``None`` if it stays.
+
+    Tensors stay when they are not plain dense tensors of the compute device, when their span is smaller than
+    ``min_bytes``, inside ``no_offload``, while backward runs, and when they are parameters (or views and casts of
+    them, or share a storage with the model's parameters and buffers). The cheapest tests come first: most saved
+    tensors of a small model stop after two attribute reads.
+    """
+    if tensor.device != device or not plain_dense(tensor):
+        return None
+    storage = tensor.untyped_storage()
+    storage_nbytes = storage.nbytes()
+    if storage_nbytes < min_bytes or offload_suppressed() or backward_running() or is_parameter_like(tensor):
+        return None
+    if len(params) and StorageWeakRef(storage).cdata in params:
+        return None
+    start, end = byte_span(tensor)
+    lo, hi = copy_span(start, end, storage_nbytes)
+    return None if hi - lo < min_bytes else (start, end, lo, hi)

@@ -1,57 +1,56 @@
-"""When a device -> host copy will have finished, in forward's own currency: bytes saved since it started.
+"""The pure planner: plain numbers in, a plan out. No streams, no events, no tensors.
 
-The allocator frees memory on the host's timeline, and the host runs far ahead of the device: polling a copy's
-event from the host almost never sees it done before forward ends, so sources polled that way stay allocated
-through the forward peak. Instead, the engine lets go of a source at the point of forward where its copy should
-be done, after making the compute stream wait for it there (a device-side wait, free if the copy is done).
+Positions are forward's own currency: eligible bytes saved since the engine was made. Forward moves them up;
+backward walks them down again. Two questions are answered here:
 
-That point comes from a model of the link: forward saves ``S`` bytes in ``T`` ms (measured with events on the
-previous forward) and the link moves ``B`` bytes per ms (measured once per device), so a copy of ``n`` bytes takes
-as long as forward needs to save ``n * (S / T) / B`` more bytes. Copies queue on one stream, so each starts when
-the one before it ends.
+* When is a device -> host copy done? (:class:`LinkModel`.) Forward saves ``S`` bytes in ``T`` ms (measured on an
+  earlier forward) and the link moves ``B`` bytes per ms, so a copy of ``n`` bytes takes as long as forward needs to
+  save ``n * (S / T) / B`` more bytes. Copies queue on one stream, so each starts when the one before it ends.
+* When must a host -> device copy start? (:func:`plan_prefetch`.) Backward runs about twice as long per saved byte
+  as forward, and the way back serves copies one after another in the order backward needs them.
+
+The host runs far ahead of the device, so polling a copy's event from the host almost never sees it done before
+forward ends; the engine instead lets go of a source at the position where the model says its copy is done, after a
+device-side wait (free when the copy is done). These positions are what the model provides.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
 # Wait a little later than the model says: a wait that comes too early stalls compute, one too late only holds
 # memory a moment longer.
-_SLACK = 1.25
-_CALIBRATION_BYTES = 64 << 20
-_BANDWIDTH: dict[int, float] = {}  # device index -> measured device -> host bytes per ms
+SLACK = 1.25
+# Before forward was timed, assume it saves bytes 4x faster than the link moves them (a conservative pace for
+# transformer layers on PCIe 5): copies are then planned early rather than late.
+DEFAULT_RATIO = 4.0
+# The least lead of a copy back, in bytes saved during forward, whatever the link model says.
+PREFETCH_FLOOR = 64 << 20
 
 
-def link_bytes_per_ms(device: torch.device) -> float:
-    """Pinned device -> host bandwidth of ``device``, measured once per process (one short synchronizing copy)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    rate = _BANDWIDTH.get(index)
-    if rate is None:
-        with torch.cuda.device(index):
-            src = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, device=device)
-            dst = torch.empty(_CALIBRATION_BYTES, dtype=torch.uint8, pin_memory=True)
-            dst.copy_(src, non_blocking=True)  # warm-up
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(3):
-                dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            rate = _BANDWIDTH[index] = 3 * _CALIBRATION_BYTES / max(begin.elapsed_time(end), 1e-3)
-    return rate
+class LinkModel:
+    """Predicts, per copy, the forward position by which the link will have finished it.
 
-
-class CopySchedule:
-    """Predicts, per copy, the forward position (bytes saved) by which the link will have finished it."""
+    Attributes:
+        ratio: forward's saving rate over the link's rate (``None`` until a forward was measured). Above 1, forward
+            saves faster than the link can move bytes out.
+    """
 
     def __init__(self) -> None:
-        self.ratio: float | None = None  # forward's saving rate over the link's rate; None until measured
+        self.ratio: float | None = None
         self._link_free_at = 0.0  # position at which the copy stream will be idle, per the model
-        self._begin: torch.cuda.Event | None = None
-        self._end: torch.cuda.Event | None = None
-        self._timed_bytes = 0
-        self._begun = False
-        self._link_rate = 1.0
+
+    def observe(self, saved_bytes: int, forward_ms: float, link_bytes_per_ms: float) -> None:
+        """Fold in one measured forward: ``saved_bytes`` eligible bytes saved in ``forward_ms`` of device time."""
+        if saved_bytes <= 0 or forward_ms <= 0 or link_bytes_per_ms <= 0:
+            return
+        ratio = (saved_bytes / forward_ms) / link_bytes_per_ms
+        # Smooth across steps: one slow forward (a recompile, a logging step) should not swing the schedule.
+        self.ratio = ratio if self.ratio is None else 0.5 * (self.ratio + ratio)
+
+    def forward_started(self) -> None:
+        """A new forward: the link is idle as far as the model knows."""
+        self._link_free_at = 0.0
 
     def deadline(self, position: int, nbytes: int) -> float | None:
         """Position by which a copy of ``nbytes`` issued at ``position`` should be done (``None``: no model yet)."""
@@ -59,43 +58,42 @@ class CopySchedule:
             return None
         start = max(self._link_free_at, float(position))
         self._link_free_at = start + nbytes * self.ratio
-        return position + (self._link_free_at - position) * _SLACK
+        return position + (self._link_free_at - position) * SLACK
 
     def backward_lead(self) -> float:
-        """Backward positions a host -> device copy needs per byte, to arrive before backward reaches it.
+        """Backward positions a host -> device copy needs per byte to arrive before backward reaches it.
 
         Backward runs about twice as long per saved byte as forward (more with checkpoint recompute, which only
-        makes this conservative). Without a measurement, assume forward saves 4x faster than the link moves.
+        makes this conservative).
         """
-        ratio = self.ratio if self.ratio is not None else 4.0
-        return ratio / 2 * _SLACK
+        ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+        return ratio / 2 * SLACK
 
-    def forward_started(self, stream: torch.cuda.Stream) -> None:
-        self._link_free_at = 0.0
-        self._update()
-        if self._timed_bytes:
-            return  # an earlier forward's timing is still running; measure a later one
-        if self._begin is None:
-            self._begin, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._begin.record(stream)
-        self._begun = True
 
-    def forward_ended(self, stream: torch.cuda.Stream, saved_bytes: int, link_rate: float) -> None:
-        """Mark forward's end; the timing is read (without waiting) at a later call."""
-        if self._begun and saved_bytes:
-            assert self._end is not None
-            self._end.record(stream)
-            self._timed_bytes = saved_bytes
-            self._link_rate = link_rate
-        self._begun = False
+def plan_prefetch(
+    end_positions: Sequence[float], sizes: Sequence[int], lead: float, floor: int = PREFETCH_FLOOR
+) -> list[float]:
+    """For copies listed lowest position first, the latest backward position at which each must start back.
 
-    def _update(self) -> None:
-        if not self._timed_bytes or self._end is None or not self._end.query():
-            return
-        assert self._begin is not None
-        ms = self._begin.elapsed_time(self._end)
-        if ms > 0:
-            ratio = (self._timed_bytes / ms) / self._link_rate
-            # Smooth across steps: one slow forward (a recompile, a logging step) should not swing the schedule.
-            self.ratio = ratio if self.ratio is None else 0.5 * (self.ratio + ratio)
-        self._timed_bytes = 0
+    The host -> device stream serves copies in the order backward needs them (highest position first), so a copy
+    must start early enough for itself and for every copy queued behind it: a pass from the last-needed copy up
+    chains their transfer times. A dead entry (``end_position`` of ``inf``) gets ``inf``: it is dropped as soon as
+    the walk reaches it. Starting no earlier than needed keeps prefetched bytes out of the backward peak.
+
+    Args:
+        end_positions: each copy's position at the end of its bytes, ascending.
+        sizes: each copy's size in bytes.
+        lead: backward positions per byte a transfer needs (:meth:`LinkModel.backward_lead`).
+        floor: the least lead of any copy, in positions.
+    """
+    latest_start = float("-inf")
+    plan: list[float] = []
+    for end, nbytes in zip(end_positions, sizes, strict=True):
+        if end == float("inf"):
+            plan.append(end)
+            continue
+        # Done before backward reaches it, and before the copy after it in the queue must start.
+        finish = max(end, latest_start)
+        latest_start = finish + nbytes * lead
+        plan.append(max(latest_start, end + floor))
+    return plan

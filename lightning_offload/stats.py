@@ -1,4 +1,4 @@
-"""What one offloading window (a ``with`` block, or one training batch of the callback) did."""
+"""What one offloading step (a ``with`` block, or one training batch of the callback) did."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class OffloadStats:
-    """Counters for the latest window. Bytes are bytes; times are milliseconds of device time.
+    """Counters for the latest step. Bytes are bytes; times are milliseconds of device time.
 
     Attributes:
         saved_tensors: tensors autograd saved through the hooks.
@@ -17,9 +17,10 @@ class OffloadStats:
         resident_bytes: eligible bytes kept on the device (the resident tail, pacing, or a full host pool).
         prefetched_bytes: bytes copied host -> device ahead of need in backward.
         fetched_on_demand_bytes: bytes copied host -> device only when backward asked for them.
-        host_bytes_held: host bytes still holding offloaded data at the end of the window.
+        host_bytes_held: host bytes still holding offloaded data at the end of the step.
         host_pinned_bytes: host bytes the process-wide pool owns (pinned on CUDA).
-        host_allocations: new host buffers allocated in this window (0 in steady state).
+        host_allocations: new host buffers allocated in this step (0 in steady state).
+        inflight_bytes: bytes whose device -> host copy may still be running (their sources stay allocated).
         stall_ms: time the compute stream waited for host -> device copies (streamed mode on CUDA).
         d2h_ms: summed duration of device -> host copies (only with ``measure_copies=True``).
         h2d_ms: summed duration of host -> device copies (only with ``measure_copies=True``).
@@ -35,6 +36,7 @@ class OffloadStats:
     host_bytes_held: int = 0
     host_pinned_bytes: int = 0
     host_allocations: int = 0
+    inflight_bytes: int = 0
     stall_ms: float = 0.0
     d2h_ms: float = 0.0
     h2d_ms: float = 0.0

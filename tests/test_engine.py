@@ -75,7 +75,12 @@ def test_grads_bit_equal_and_steady_state(case: Case, mode: str) -> None:
             assert stats.offloaded_tensors > 0
             assert stats.resident_bytes == 0  # no tail, no limit: everything eligible left
             assert stats.offloaded_bytes == stats.eligible_bytes
-            assert stats.fetched_on_demand_bytes == stats.offloaded_bytes  # CPU: every byte fetched on demand
+            fetched = stats.prefetched_bytes + stats.fetched_on_demand_bytes
+            if mode == "sync":
+                assert stats.fetched_on_demand_bytes == stats.offloaded_bytes  # every byte fetched when needed
+            else:
+                assert stats.prefetched_bytes > 0  # simulated copy streams: the way back runs ahead of need
+                assert fetched <= stats.offloaded_bytes  # a copy still in flight is used in place, not fetched
             if step == 1:
                 assert stats.host_allocations == 0
     assert offloaded[0] == offloaded[1]
@@ -464,7 +469,12 @@ def test_lesson9_retain_graph_backward_twice(mode: str) -> None:
     assert_same_grads({n: p.grad.clone() for n, p in model.named_parameters()}, once)
     loss.backward()
     assert_same_grads({n: p.grad.clone() for n, p in model.named_parameters()}, twice)
-    assert engine.stats.fetched_on_demand_bytes == 2 * engine.stats.offloaded_bytes > 0
+    stats = engine.stats
+    if mode == "sync":
+        assert stats.fetched_on_demand_bytes == 2 * stats.offloaded_bytes > 0
+    else:  # the first backward prefetched; the second found nothing queued and fetched every copy again
+        assert stats.prefetched_bytes > 0
+        assert stats.fetched_on_demand_bytes >= stats.offloaded_bytes > 0
 
 
 # ---------------------------------------------------------------------------------------------- lesson 10

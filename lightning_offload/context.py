@@ -1,0 +1,67 @@
+"""``offload_activations``: the engine as a context manager for plain PyTorch training loops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.options import OffloadOptions
+
+
+def offload_activations(
+    mode: str = "streamed",
+    compute_device: str | torch.device | None = None,
+    min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
+    resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
+    max_offload_bytes: int | str | None = None,
+    max_inflight_bytes: int | None = None,
+    prefetch_bytes: int = OffloadOptions.prefetch_bytes,
+    host_memory_limit: int | None = None,
+    on_host_full: str = "warn",
+    measure_copies: bool = False,
+    model: torch.nn.Module | None = None,
+    checkpoint: Any = None,
+    local_processes: int | None = None,
+) -> OffloadEngine:
+    """Offload the activations autograd saves inside the ``with`` block to host memory.
+
+    Example::
+
+        off = offload_activations(model=model)  # create once: the pinned pool and streams are reused
+        for x in batches:
+            with off:
+                loss = model(x).sum()
+            loss.backward()
+            print(off.stats.offloaded_bytes)
+
+    Args:
+        mode, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes, max_inflight_bytes,
+            prefetch_bytes, host_memory_limit, on_host_full, measure_copies: see
+            :class:`~lightning_offload.options.OffloadOptions`, where every option is documented.
+        model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts are
+            recognised without it; buffers only with it.
+        checkpoint: also checkpoint ``model``'s repeated blocks (non-reentrant) so only each block's input is saved
+            and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a module
+            name, or a list of those. ``None``: no checkpointing. Applied once, here.
+        local_processes: processes on this machine sharing its RAM (each has its own pool); the default
+            ``host_memory_limit`` is split between them. ``None``: ``LOCAL_WORLD_SIZE``, else 1.
+
+    Returns:
+        An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block.
+    """
+    values = dict(locals())
+    model, checkpoint, local_processes = values.pop("model"), values.pop("checkpoint"), values.pop("local_processes")
+    options = OffloadOptions.create("offload_activations", **values)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
+    if local_processes is not None and (isinstance(local_processes, bool) or not isinstance(local_processes, int)):
+        raise TypeError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
+    if checkpoint is not None:
+        if model is None:
+            raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
+        from lightning_offload.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, checkpoint)
+    return OffloadEngine(options, model=model, local_processes=local_processes)

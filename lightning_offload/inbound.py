@@ -1,0 +1,89 @@
+"""The way back: bringing offloaded copies back to the device, ahead of need, as backward walks forward down."""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+import torch
+
+from lightning_offload.copies import State, StorageCopy
+from lightning_offload.schedule import plan_prefetch
+from lightning_offload.stats import OffloadStats
+from lightning_offload.transfer import StreamedTransfer, Transfer
+
+
+class InboundQueue:
+    """Offloaded copies of sealed forwards, needed-last first, each with the backward position where it starts back.
+
+    Args:
+        transfer: moves the bytes; prefetching runs only when it overlaps copies with compute.
+        device: where copies come back to.
+        cap: the most bytes fetched ahead and not yet used by backward (``prefetch_bytes``).
+    """
+
+    def __init__(self, transfer: Transfer, device: torch.device, cap: int) -> None:
+        self._transfer = transfer
+        self._device = device
+        self.cap = cap
+        self.queue: list[weakref.ref[StorageCopy]] = []  # lowest position (needed last) first
+        self.starts: list[float] = []  # backward position at which each queued copy must start coming back
+        self._ahead: deque[tuple[weakref.ref[StorageCopy], int]] = deque()  # fetched ahead, not yet used
+        self.ahead_bytes = 0
+
+    def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
+        """Queue a sealed forward's offloaded copies (save order) and plan when each starts back."""
+        transfer = self._transfer
+        if not isinstance(transfer, StreamedTransfer):
+            return  # no overlap, no prefetch: each copy comes back when backward asks for it
+        self.queue = copies + self.queue  # backward needs the latest forward first
+        ends, sizes = [], []
+        for ref in self.queue:
+            copy = ref()
+            ends.append(float(copy.end_pos) if copy is not None else float("inf"))
+            sizes.append(copy.nbytes if copy is not None else 0)
+        self.starts = plan_prefetch(ends, sizes, transfer.link.backward_lead())
+
+    def bring_back(self, copy: StorageCopy, stats: OffloadStats) -> torch.Tensor:
+        """The span of an offloaded ``copy`` on the device, ready for the compute stream to read."""
+        span = copy.fetched
+        if span is None:
+            # A source whose device -> host copy is still running is used as it is: no round trip.
+            span = copy.src if copy.src is not None else self._fetch(copy, stats, on_demand=True)
+        if span is not copy.src:
+            self._transfer.await_arrival(copy)
+        return span
+
+    def prefetch(self, backward_pos: int, stats: OffloadStats) -> None:
+        """Start the copies whose planned start backward has reached, latest-saved first, within ``cap`` ahead."""
+        ahead = self._ahead
+        while ahead and (ahead[0][0]() is None or ahead[0][0]().fetched is None):  # type: ignore[union-attr]
+            self.ahead_bytes -= ahead.popleft()[1]
+        queue, starts = self.queue, self.starts
+        while queue and starts[-1] >= backward_pos:
+            copy = queue[-1]()
+            if copy is not None and self.ahead_bytes and self.ahead_bytes + copy.nbytes > self.cap:
+                return  # memory bound: the rest follows as backward consumes what came back
+            queue.pop()
+            starts.pop()
+            if copy is None or copy.state is not State.OFFLOADED or copy.fetched is not None:
+                continue
+            if copy.src is not None:
+                copy.fetched = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
+            else:
+                self._fetch(copy, stats, on_demand=False)
+            ahead.append((weakref.ref(copy), copy.nbytes))
+            self.ahead_bytes += copy.nbytes
+
+    def _fetch(self, copy: StorageCopy, stats: OffloadStats, on_demand: bool) -> torch.Tensor:
+        span = copy.fetched = self._transfer.copy_in(copy, self._device)
+        if on_demand:
+            stats.fetched_on_demand_bytes += copy.nbytes
+        else:
+            stats.prefetched_bytes += copy.nbytes
+        return span
+
+    def clear(self) -> None:
+        self.queue, self.starts = [], []
+        self._ahead.clear()
+        self.ahead_bytes = 0

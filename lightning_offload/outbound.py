@@ -1,0 +1,208 @@
+"""The way out: copies saved but not yet sent (the resident tail, the byte limit), their sending, and copies in flight.
+
+A copy leaves once enough bytes were saved after it (``resident_tail_bytes``) and only if it lies within the first
+``limit`` bytes of its forward. While its device -> host copy runs, its source must stay allocated: the queue holds
+it, and lets go once the copy is known to be done (its event reports done) or ordered before all later compute (the
+compute stream waited for it, on the device). Waiting is forced when too many bytes are in flight (the throttle) and
+where the link model says the copy is done anyway (free then); never a host synchronization.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lightning_offload.copies import State, StorageCopy
+from lightning_offload.host_pool import HostMemoryFull, HostPool
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
+from lightning_offload.savelog import SaveLog
+from lightning_offload.stats import OffloadStats
+from lightning_offload.streams import Event
+from lightning_offload.transfer import StreamedTransfer, Transfer
+
+
+@dataclass
+class InFlight:
+    """A device -> host copy that may still be reading its source."""
+
+    done: Event
+    nbytes: int
+    src: torch.Tensor  # keeps the source allocated until the copy is done
+    copy: weakref.ref[StorageCopy]
+    deadline: float | None  # position by which the link model says it is done (None: no model yet)
+
+
+class OutboundQueue:
+    """Pending copies in save order, their sending, and the copies on their way out, oldest first.
+
+    Args:
+        options: the engine's options (tail, limit, in-flight cap, what to do when host memory is full).
+        transfer: moves the bytes.
+        pool: hands out host buffers.
+        host_limit: the bytes the pool may hold (read when a buffer is needed).
+    """
+
+    def __init__(
+        self, options: OffloadOptions, transfer: Transfer, pool: HostPool, host_limit: Callable[[], int]
+    ) -> None:
+        self.tail = options.resident_tail_bytes
+        cap = options.max_inflight_bytes
+        if cap is None and options.max_offload_bytes is None:
+            cap = DEFAULT_MAX_INFLIGHT_BYTES
+        self.inflight_cap = cap
+        self.limit: int | None = None  # the most bytes of the open forward that may leave
+        self._options = options
+        self._transfer = transfer
+        self._pool = pool
+        self._host_limit = host_limit
+        self._warned_host_full = False
+        self.pending: deque[StorageCopy] = deque()
+        self.inflight: deque[InFlight] = deque()
+        self.inflight_bytes = 0
+        self.forward_copies: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward
+
+    @property
+    def link_ratio(self) -> float | None:
+        transfer = self._transfer
+        return transfer.link.ratio if isinstance(transfer, StreamedTransfer) else None
+
+    def start_forward(self, previous_forward: int | None) -> None:
+        """A forward starts saving: fix how many of its bytes may leave."""
+        limit = self._options.max_offload_bytes
+        if limit == "auto":
+            # What the link moves while forward runs: bandwidth x forward time = forward's bytes / (pace / link's).
+            ratio = self.link_ratio
+            # Until measured (first forward), offload everything: memory first.
+            limit = None if ratio is None or previous_forward is None else int(previous_forward / ratio)
+        self.limit = limit
+
+    def end_forward(self, stats: OffloadStats) -> list[weakref.ref[StorageCopy]]:
+        """The open forward ended: what is still pending stays on the device. Returns its offloaded copies."""
+        for copy in self.pending:
+            self.keep_resident(copy, stats)
+        self.pending.clear()
+        copies, self.forward_copies = self.forward_copies, []
+        return copies
+
+    def send_decided(self, log: SaveLog, stats: OffloadStats) -> None:
+        """Offload the pending copies that left the tail (or keep those beyond the limit), oldest first."""
+        if self.inflight:
+            self.retire()
+            self.wait_due(log.position, self._transfer.wait)
+        for copy, leaves in self.decided(log.position, log.forward_start, log.previous_forward):
+            if leaves:
+                self.offload(copy, stats)
+            else:
+                self.keep_resident(copy, stats)
+
+    def keep_resident(self, copy: StorageCopy, stats: OffloadStats) -> None:
+        copy.state = State.RESIDENT
+        stats.resident_bytes += copy.nbytes
+
+    def offload(self, copy: StorageCopy, stats: OffloadStats) -> None:
+        """Send ``copy`` to a host buffer (or keep it, when host memory is full and ``on_host_full='warn'``)."""
+        try:
+            host, ready = self._pool.acquire(copy.nbytes, self._host_limit())
+        except HostMemoryFull as err:
+            if self._options.on_host_full == "error":
+                raise
+            if not self._warned_host_full:
+                self._warned_host_full = True
+                warnings.warn(f"{err} Keeping the remaining tensors on the device.", RuntimeWarning, stacklevel=5)
+            self.keep_resident(copy, stats)
+            return
+        copy.host, copy.pool = host, self._pool
+        copy.state = State.OFFLOADED
+        done = self._transfer.copy_out(copy, host[: copy.nbytes], ready)
+        copy.d2h_done = copy.last_use = done
+        if done is None:  # the copy is complete: the host holds the saved bytes
+            copy.seal_version()
+            copy.src = None
+        else:
+            deadline = self._transfer.link.deadline(copy.end_pos, copy.nbytes)  # type: ignore[union-attr]
+            self.track(copy, done, deadline)
+            cap = self.inflight_cap
+            if cap is None and self.link_ratio is None:
+                cap = DEFAULT_MAX_INFLIGHT_BYTES  # no model of the link yet (first forward): bound memory plainly
+            self.throttle(self._transfer.wait, cap)
+        self.forward_copies.append(weakref.ref(copy))
+        stats.offloaded_bytes += copy.nbytes
+        stats.offloaded_tensors += copy.views_left
+
+    def decided(
+        self, position: int, forward_start: int, previous_total: int | None
+    ) -> Iterator[tuple[StorageCopy, bool]]:
+        """Pending copies whose fate is now known, oldest first: ``(copy, leaves)``.
+
+        From the second forward on, the previous forward's size says which copies end up outside the tail, so they
+        go at once instead of waiting for ``tail`` more bytes to be saved after them.
+        """
+        cutoff = forward_start + previous_total - self.tail if previous_total is not None else -1
+        limit = self.limit
+        pending = self.pending
+        while pending:
+            copy = pending[0]
+            if limit is not None and copy.end_pos - forward_start > limit:
+                # Only the first ``limit`` bytes of a forward leave: the earliest tensors have the most compute to
+                # hide their copies behind, both ways.
+                pending.popleft()
+                yield copy, False
+                continue
+            if position - copy.end_pos < self.tail and copy.end_pos > cutoff:
+                return
+            pending.popleft()
+            yield copy, True
+
+    def track(self, copy: StorageCopy, done: Event, deadline: float | None) -> None:
+        assert copy.src is not None
+        self.inflight.append(InFlight(done, copy.nbytes, copy.src, weakref.ref(copy), deadline))
+        self.inflight_bytes += copy.nbytes
+
+    def throttle(self, wait: Callable[[Event], None], cap: int | None) -> None:
+        """Bound the bytes whose copies lag behind: the compute stream waits (on the device) for the oldest.
+
+        Once the compute stream waits for a copy's event, everything it runs later is ordered after the copy, so the
+        source can be let go at once: its memory is reused only by that later work.
+        """
+        if cap is None:
+            return
+        while self.inflight_bytes > cap and len(self.inflight) > 1:
+            self._let_go(self.inflight.popleft(), wait)
+
+    def wait_due(self, position: int, wait: Callable[[Event], None]) -> None:
+        """Let go of sources whose copies the link model says are done by ``position`` (device-side wait)."""
+        while self.inflight:
+            deadline = self.inflight[0].deadline
+            if deadline is None or deadline > position:
+                return
+            self._let_go(self.inflight.popleft(), wait)
+
+    def retire(self) -> None:
+        """Let go of sources whose copies the device reports done."""
+        inflight = self.inflight
+        while inflight and inflight[0].done.query():
+            self._let_go(inflight.popleft(), None)
+
+    def _let_go(self, item: InFlight, wait: Callable[[Event], None] | None) -> None:
+        if wait is not None:
+            wait(item.done)
+        self.inflight_bytes -= item.nbytes
+        copy = item.copy()
+        if copy is None or copy.fetched is item.src:
+            return  # backward already uses the source in place: keep watching its version
+        # From here on the host bytes are complete and every later write is ordered after them: an in-place change
+        # seen now may have raced the copy (flag it), one made later cannot reach the host copy.
+        copy.seal_version()
+        if copy.src is item.src:
+            copy.src = None
+
+    def clear(self) -> None:
+        self.forward_copies = []
+        self.pending.clear()
+        self.inflight.clear()
+        self.inflight_bytes = 0

@@ -1,0 +1,169 @@
+"""How bytes cross the link, one strategy per mode: ``copy_out`` to a host buffer, ``copy_in`` back to the device.
+
+:class:`SyncTransfer` copies on the compute stream, when a tensor leaves and when backward needs it: simple, slow,
+the reference for debugging. :class:`StreamedTransfer` is the only code that touches streams and events: copies run
+on one copy stream per direction, overlapped with compute, ordered by device-side waits, never by a host
+synchronization; it also times forward for the link model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_offload.copies import StorageCopy
+from lightning_offload.schedule import LinkModel
+from lightning_offload.stats import OffloadStats
+from lightning_offload.streams import Event, StreamBackend, TimingEvents
+from lightning_offload.tracing import trace_range
+
+
+class SyncTransfer:
+    """Copies on the compute stream: done when the call returns (the host waits for each one)."""
+
+    overlapped = False
+
+    def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event | None:
+        with trace_range("offload::d2h"):
+            target.copy_(copy.src)  # type: ignore[arg-type]
+        return None
+
+    def copy_in(self, copy: StorageCopy, device: torch.device) -> torch.Tensor:
+        assert copy.host is not None
+        with trace_range("offload::h2d"):
+            span = torch.empty(copy.nbytes, dtype=torch.uint8, device=device)
+            span.copy_(copy.host[: copy.nbytes])
+        return span
+
+    def await_arrival(self, copy: StorageCopy) -> None:
+        pass
+
+    def wait(self, event: Event) -> None:
+        pass
+
+    def forward_started(self) -> None:
+        pass
+
+    def forward_ended(self, saved_bytes: int) -> None:
+        pass
+
+    def collect(self, stats: OffloadStats, wait: bool) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+
+class StreamedTransfer:
+    """Copies on the copy streams of ``streams``, overlapped with compute.
+
+    Attributes:
+        link: the link model, fed with forward's measured pace.
+    """
+
+    overlapped = True
+
+    def __init__(self, streams: StreamBackend, measure_copies: bool) -> None:
+        self.streams = streams
+        self.link = LinkModel()
+        self._measure = measure_copies
+        self._link_rate = streams.link_bytes_per_ms()
+        self._stall = TimingEvents(streams)
+        self._d2h_timer = TimingEvents(streams)
+        self._h2d_timer = TimingEvents(streams)
+        self._forward: tuple[Event, Event, int] | None = None  # begin, end, bytes saved: a forward being timed
+        self._forward_begin: Event | None = None
+
+    def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
+        streams, d2h = self.streams, self.streams.d2h
+        with trace_range("offload::d2h"):
+            streams.wait_stream(d2h, copy.producer)  # the source is complete once its producer got this far
+            if ready is not None:
+                streams.wait_event(d2h, ready)  # the buffer's previous copy has finished with it
+            end = self._d2h_timer.start(d2h) if self._measure else None
+            streams.copy(target, copy.src, d2h)  # type: ignore[arg-type]
+            done = streams.record(d2h)
+            if end is not None:
+                end(d2h)
+        return done
+
+    def copy_in(self, copy: StorageCopy, device: torch.device) -> torch.Tensor:
+        assert copy.host is not None
+        streams, h2d = self.streams, self.streams.h2d
+        with trace_range("offload::h2d"):
+            span = torch.empty(copy.nbytes, dtype=torch.uint8, device=device)
+            # ``span`` was allocated on the compute stream; its block may still be read by kernels queued there, and
+            # the host bytes may still be arriving from the device -> host stream.
+            streams.wait_stream(h2d, streams.current())
+            if copy.d2h_done is not None:
+                streams.wait_event(h2d, copy.d2h_done)
+            end = self._h2d_timer.start(h2d) if self._measure else None
+            streams.copy(span, copy.host[: copy.nbytes], h2d)
+            done = streams.record(h2d)
+            if end is not None:
+                end(h2d)
+            streams.keep_until_done(span, h2d)
+        copy.h2d_done = copy.last_use = done
+        return span
+
+    def await_arrival(self, copy: StorageCopy) -> None:
+        """Make the compute stream wait for ``copy``'s way back; the time it waits is the stall."""
+        streams, done = self.streams, copy.h2d_done
+        assert done is not None
+        consumer = streams.current()
+        if done.query():
+            streams.wait_event(consumer, done)
+            return
+        with trace_range("offload::stall"):
+            end = self._stall.start(consumer)
+            streams.wait_event(consumer, done)
+            end(consumer)
+
+    def wait(self, event: Event) -> None:
+        """Order everything the compute stream runs from now on after ``event`` (a device-side wait)."""
+        self.streams.wait_event(self.streams.current(), event)
+
+    def forward_started(self) -> None:
+        self._read_forward_timing()
+        self.link.forward_started()
+        if self._forward is None:  # otherwise an earlier forward's timing is still running: measure a later one
+            self._forward_begin = self.streams.record(self.streams.current(), timing=True)
+
+    def forward_ended(self, saved_bytes: int) -> None:
+        """Mark forward's end; its timing is read (without waiting) at a later forward."""
+        begin, self._forward_begin = self._forward_begin, None
+        if begin is not None and saved_bytes:
+            self._forward = (begin, self.streams.record(self.streams.current(), timing=True), saved_bytes)
+
+    def _read_forward_timing(self) -> None:
+        if self._forward is None or not self._forward[1].query():
+            return
+        begin, end, saved = self._forward
+        self._forward = None
+        self.link.observe(saved, begin.elapsed_time(end), self._link_rate)
+
+    def collect(self, stats: OffloadStats, wait: bool) -> None:
+        stats.stall_ms += self._stall.collect_ms(wait)
+        stats.d2h_ms += self._d2h_timer.collect_ms(wait)
+        stats.h2d_ms += self._h2d_timer.collect_ms(wait)
+
+    def synchronize(self) -> None:
+        self.streams.synchronize()
+
+    def discard(self) -> None:
+        """Forget timings of a step that raised."""
+        for timer in (self._stall, self._d2h_timer, self._h2d_timer):
+            timer.discard()
+        self._forward = self._forward_begin = None
+
+
+Transfer = SyncTransfer | StreamedTransfer
+
+
+def producer_stream(transfer: Any) -> Any:
+    """The stream a copy must wait for before reading its source: the current one, under streamed transfers."""
+    return transfer.streams.current() if isinstance(transfer, StreamedTransfer) else None
