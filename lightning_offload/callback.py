@@ -362,7 +362,9 @@ class ActivationOffloadCallback(Callback):
     def _setup_reporting(self, trainer: pl.Trainer, device: torch.device) -> None:
         options = self.options
         self._epoch_metrics = OffloadEpochMetrics(
-            cuda=device.type == "cuda", streamed=options.mode == "streamed", measure_copies=options.measure_copies
+            cuda=self._cuda_device() is not None,
+            streamed=options.mode == "streamed",
+            measure_copies=options.measure_copies,
         )
         if self._picture is not None:
             # The comparison batch skips offloading for one whole optimizer step; under accumulation, manual

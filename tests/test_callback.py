@@ -700,3 +700,49 @@ def test_mode_off_counts_without_offloading(tmp_path: Path) -> None:
     assert all(hooked and nbytes == 0 for hooked, nbytes in offloaded.forward_log)
     assert recorder.in_use_after_batch == [0, 0]
     assert_clean(callback)
+
+
+class FakeCudaPeaks:
+    """The CUDA allocator's peak counters, faked: a previous fit left a high peak; each step reaches its own."""
+
+    def __init__(self, left_over: int, step_peak: int) -> None:
+        self.peak = left_over
+        self.step_peak = step_peak
+        self.resets = 0
+
+    def reset(self, device: Any = None) -> None:
+        self.resets += 1
+        self.peak = 0
+
+    def read(self, device: Any = None) -> int:
+        return self.peak
+
+    def step(self) -> None:
+        self.peak = max(self.peak, self.step_peak)
+
+
+def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever ran before the fit (model loading, an earlier fit) left its peak in the allocator's counters; the
+    first batch's peak and the epoch max must describe this fit's steps alone."""
+    GiB = 1 << 30
+    peaks = FakeCudaPeaks(left_over=50 * GiB, step_peak=2 * GiB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peaks.read)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", peaks.read)
+    monkeypatch.setattr(ActivationOffloadCallback, "_cuda_device", lambda self: CPU)
+
+    class PeakNet(LitNet):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+            peaks.step()
+            return super().training_step(batch, batch_idx)
+
+    callback = offload_callback()
+    trainer = fit(tmp_path, PeakNet(offload=callback), batches(3), [callback], max_steps=3)
+    logged = [
+        float(row["offload/peak_allocated_gib"])
+        for row in metrics_rows(tmp_path)
+        if row.get("offload/peak_allocated_gib")
+    ]
+    assert logged == [2.0, 2.0, 2.0]
+    assert peaks.resets == 3  # one per optimizer step, the first batch included
+    assert float(trainer.callback_metrics["offload/peak_allocated_gib_epoch_max"]) == 2.0

@@ -1,0 +1,191 @@
+"""The streamed mode's bookkeeping on the CPU, on simulated copy streams: throttle, retire, prefetch order and plan,
+in-flight reuse, and in-place changes at every phase. A simulated copy runs only when something waits for it (or once
+``lag`` operations queue behind it), reading its source then, so an ordering mistake shows up as a wrong value."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_offload import OffloadOptions
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.streams import SimulatedStreams
+from tests.models import CASES, assert_same_grads, build, train_step
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def streamed_engine(sim: SimulatedStreams, **kwargs: Any) -> OffloadEngine:
+    options: dict[str, Any] = {
+        "mode": "streamed",
+        "compute_device": "cpu",
+        "min_tensor_bytes": 0,
+        "resident_tail_bytes": 0,
+    }
+    options.update(kwargs)
+    return OffloadEngine(OffloadOptions.create("test", **options), streams=sim)
+
+
+class Chain(nn.Module):
+    """``n`` linear + tanh layers whose widths grow: every saved activation has its own size, in save order."""
+
+    def __init__(self, n: int = 6, width: int = 64, growth: int = 0) -> None:
+        super().__init__()
+        widths = [width + growth * i for i in range(n + 1)]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("lag", [0, 3, None])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_grads_bit_equal_whatever_the_copy_timing(case: Any, lag: int | None) -> None:
+    """Copies done at once, a few operations late, or only when waited for: the gradients never change."""
+    model = build(case)
+    batch = case.make_batch()
+    expected = train_step(model, batch)
+    sim = SimulatedStreams(lag=lag)
+    engine = streamed_engine(sim)
+    for _ in range(2):
+        assert_same_grads(train_step(model, batch, engine), expected)
+        assert engine.stats.offloaded_bytes > 0
+
+
+def test_throttle_bounds_the_bytes_in_flight() -> None:
+    """Copies that never finish on their own: the compute stream waits for the oldest once the cap is passed, so
+    no more than the cap (plus the copy that crossed it) is ever queued on the way out."""
+    cap = 100 * KiB
+    sim = SimulatedStreams(lag=None)
+    engine = streamed_engine(sim, max_inflight_bytes=cap)
+    model = Chain(n=12, width=128)
+    x = torch.randn(64, 128)  # 32 KiB per activation
+    with engine:
+        loss = model(x)
+    assert engine.stats.offloaded_bytes > 4 * cap  # far more left than the cap
+    assert sim.max_queued_bytes["d2h"] <= cap + 32 * KiB
+    assert engine.stats.inflight_bytes <= cap + 32 * KiB
+    loss.backward()
+
+
+def test_without_a_cap_nothing_waits() -> None:
+    """The same forward without a cap (copies lag forward freely): every copy is still queued at the end."""
+    sim = SimulatedStreams(lag=None)
+    engine = streamed_engine(sim, max_inflight_bytes=1 << 40)
+    with engine:
+        loss = Chain(n=12, width=128)(torch.randn(64, 128))
+    assert sim.max_queued_bytes["d2h"] == engine.stats.offloaded_bytes
+    loss.backward()
+    # Backward read every source in place (their copies never ran): nothing came back over the link.
+    stats = engine.stats
+    assert stats.prefetched_bytes == stats.fetched_on_demand_bytes == 0
+
+
+def test_prefetch_brings_copies_back_in_reverse_save_order_before_need() -> None:
+    """The way back serves the latest-saved copy first, and starts ahead of need: backward asks for almost nothing
+    on demand."""
+    sim = SimulatedStreams(lag=0)  # the way out completes at once: every copy must come back over the link
+    engine = streamed_engine(sim, prefetch_bytes=1 << 30)
+    model = Chain(n=6, width=64, growth=16)
+    for _ in range(3):  # the later steps have a measured forward (a link model) and a warm pool
+        sim.log.clear()
+        with engine:
+            loss = model(torch.randn(32, 64))
+        loss.backward()
+    stats = engine.stats
+    assert stats.prefetched_bytes > 0
+    assert stats.fetched_on_demand_bytes < stats.prefetched_bytes
+    out = [n for name, n in sim.log if name == "d2h"]
+    back = [n for name, n in sim.log if name == "h2d"]
+    assert len(set(out)) == len(out) > 4  # distinct sizes identify the copies
+    assert back == out[::-1]
+
+
+def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
+    """With ``prefetch_bytes`` at one copy, at most one copy is fetched ahead of need at any time."""
+    sim = SimulatedStreams(lag=0)
+    size = 64 * 64 * 4
+    engine = streamed_engine(sim, prefetch_bytes=size)
+    with engine:
+        loss = Chain(n=8, width=64)(torch.randn(64, 64))
+    loss.backward()
+    assert sim.max_queued_bytes["h2d"] <= size
+
+
+def test_retire_lets_go_of_finished_copies_at_the_block_end() -> None:
+    """Copies the device has finished are released when the block ends, not at the next step."""
+    sim = SimulatedStreams(lag=0)
+    engine = streamed_engine(sim)
+    with engine:
+        loss = Chain()(torch.randn(8, 64))
+    assert engine.collect_stats(wait=False).inflight_bytes == 0
+    loss.backward()
+
+
+def _true_grad(x: torch.Tensor, doubled_before_use: bool) -> torch.Tensor:
+    """The gradient of what the test computes, with every saved value as it was when saved."""
+    x = x.detach().requires_grad_()
+    a = x.sigmoid()
+    b = a.exp()
+    ((2 * a if doubled_before_use else a) * b).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("mode", ["sync", "streamed"])
+@pytest.mark.parametrize("lag", [0, 2, None])
+@pytest.mark.parametrize("phase", ["during_forward", "after_block", "after_copies_done", "during_backward"])
+def test_inplace_change_raises_or_uses_the_saved_values(mode: str, lag: int | None, phase: str) -> None:
+    """A saved tensor changed in place between its save and its use in backward: autograd's error, or exactly the
+    gradient of the unchanged value, whether the change comes while the tensor is resident, while its copy is in
+    flight, or after the copy finished. Never anything else."""
+    x = torch.randn(256, 256)
+    expected = _true_grad(x, doubled_before_use=phase == "during_forward")
+    sim = SimulatedStreams(lag=lag)
+    engine = streamed_engine(sim, mode=mode)
+    x = x.detach().requires_grad_()
+    victim: list[torch.Tensor] = []
+
+    def change_in_place(grad: torch.Tensor) -> torch.Tensor:
+        victim[0].mul_(2)
+        return grad
+
+    with engine:
+        a = x.sigmoid()  # saved by sigmoid's backward (its output) and by mul
+        b = a.exp()
+        if phase == "during_forward":
+            a.mul_(2)  # after sigmoid and exp saved their outputs, before mul saves ``a``
+        loss = (a * b).sum()
+    if phase == "after_block":
+        a.mul_(2)
+    elif phase == "after_copies_done":
+        sim.synchronize()
+        engine.uninstall()  # lets go of the finished copies
+        a.mul_(2)
+    elif phase == "during_backward":
+        victim.append(a)
+        loss.register_hook(change_in_place)
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        assert "modified by an inplace operation" in str(err)
+    else:
+        assert torch.equal(x.grad, expected), "backward silently used an in-place-modified saved tensor"
+
+
+def test_inplace_change_while_the_copy_is_in_flight_raises() -> None:
+    """The GPU race, on the CPU: the copy out has not run when the tensor is changed; backward must raise."""
+    sim = SimulatedStreams(lag=None)
+    engine = streamed_engine(sim)
+    x = torch.randn(128, 128, requires_grad=True)
+    with engine:
+        a = x.sigmoid()
+        loss = a.exp().sum()
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
