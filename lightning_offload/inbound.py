@@ -66,8 +66,8 @@ class InboundQueue:
                 return  # memory bound: the rest follows as backward consumes what came back
             queue.pop()
             starts.pop()
-            if copy is None or copy.state is not State.OFFLOADED or copy.fetched is not None:
-                continue
+            if copy is None or copy.state is not State.OFFLOADED or copy.fetched is not None or copy.views_left <= 0:
+                continue  # gone, kept, already back, or already used by backward (in place, while in flight)
             if copy.src is not None:
                 copy.fetched = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
             else:
