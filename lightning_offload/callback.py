@@ -9,8 +9,17 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from typing_extensions import override
 
+from lightning_offload.checkpointing import (
+    apply_checkpointing,
+    checkpointed_modules,
+    parse_blocks,
+    remove_checkpointing,
+    select_blocks,
+)
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
 from lightning_offload.memory_picture import MemoryPicture
@@ -65,8 +74,13 @@ class ActivationOffloadCallback(Callback):
         measure_copies: time every copy, to log achieved bandwidth.
         checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
             each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
-            (the largest ``ModuleList`` of same-class blocks), a class name or module name, or a list of those.
-            ``None``: leave the model as it is.
+            (the largest ``ModuleList`` of same-class blocks), a class name or module name, an ``nn.Module``
+            subclass, or a list mixing names and classes. ``None``: leave the model as it is. A selector that
+            matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup`` or
+            ``configure_model``, in ``on_fit_start``, still before any batch), listing the candidate block
+            classes. The wrappers are applied in ``on_fit_start`` and removed at the end of the fit (``teardown``,
+            or ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
+            change.
         progress_bar: also show the step's peak allocated GiB in the progress bar (the offloaded GiB when the
             compute device is the CPU, where no peak is measured).
         memory_picture: once per fit, record one training step's memory over time and write it as
@@ -113,7 +127,7 @@ class ActivationOffloadCallback(Callback):
         host_memory_limit: int | None = None,
         on_host_full: OnHostFull = "warn",
         measure_copies: bool = False,
-        checkpoint: str | list[str] | None = None,
+        checkpoint: str | type[nn.Module] | list[str | type[nn.Module]] | None = None,
         progress_bar: bool = False,
         memory_picture: bool = False,
         memory_picture_compare: bool = True,
@@ -132,12 +146,10 @@ class ActivationOffloadCallback(Callback):
             on_host_full=on_host_full,
             measure_copies=measure_copies,
         )
-        if checkpoint is not None and not isinstance(checkpoint, (str, list, tuple)):
-            raise ValueError(
-                f"ActivationOffloadCallback(checkpoint={checkpoint!r}): checkpoint must be None, 'auto', a class or "
-                "module name, or a list of names"
-            )
+        if checkpoint is not None:
+            parse_blocks(checkpoint, call=f"ActivationOffloadCallback(checkpoint={checkpoint!r})")
         self.checkpoint = checkpoint
+        self._checkpointed: list[str] = []  # the wrappers this callback applied in this fit, removed at its end
         for name, value in (
             ("progress_bar", progress_bar),
             ("memory_picture", memory_picture),
@@ -145,6 +157,8 @@ class ActivationOffloadCallback(Callback):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"ActivationOffloadCallback({name}={value!r}): {name} must be True or False")
+        if memory_picture:
+            _require_matplotlib()
         self.progress_bar = progress_bar
         # Created in ``setup``, where the device is known; both pickle without their device state (``ddp_spawn``).
         self._epoch_metrics: OffloadEpochMetrics | None = None
@@ -176,6 +190,11 @@ class ActivationOffloadCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_engine"] = None  # streams, events and host buffers do not cross processes
+        # Lightning attaches the module's ``log`` and ``log_dict`` to every callback at each fit: bound methods that
+        # would pickle the whole model. The next fit attaches them again.
+        state.pop("log", None)
+        state.pop("log_dict", None)
+        state["_checkpointed"] = []  # a copy applied no wrappers, so it has none to remove
         return state
 
     @override
@@ -188,6 +207,8 @@ class ActivationOffloadCallback(Callback):
             )
         if stage != "fit":
             return
+        if self.checkpoint is not None and not _builds_layers_after_setup(pl_module):
+            self._check_checkpoint(pl_module)  # a name that matches nothing fails now, before anything runs
         options = self.options
         device = options.compute_device
         if device is None:
@@ -213,13 +234,16 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._active:
-            return
         # Both need what only exists now: the blocks ``configure_model`` builds, the optimizers Lightning set up.
         if self.checkpoint is not None:
-            from lightning_offload.checkpointing import apply_checkpointing
-
-            apply_checkpointing(pl_module, self.checkpoint)
+            # Checked even when the callback does nothing here (no CUDA), so a wrong name fails on every machine.
+            self._check_checkpoint(pl_module)
+            if self._active:
+                already = set(checkpointed_modules(pl_module))  # the user's own wrappers stay after the fit
+                applied = apply_checkpointing(pl_module, self.checkpoint)
+                self._checkpointed = [name for name in applied if name not in already]
+        if not self._active:
+            return
         # A batch that runs forward again after a backward (LBFGS calls its closure repeatedly; manual optimization
         # may call backward several times) keeps the hooks until the batch ends.
         self._leave_after_backward = pl_module.automatic_optimization and not any(
@@ -297,6 +321,7 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_checkpointing(pl_module)  # Lightning calls no teardown hook after an exception
         if self._engine is not None:
             self._engine.reset()
         if self._picture is not None:
@@ -306,6 +331,7 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_checkpointing(pl_module)
         if self._picture is not None:
             self._picture.discard_batch()
         if self._engine is not None:
@@ -313,6 +339,16 @@ class ActivationOffloadCallback(Callback):
             self._engine = None
             release_host_memory()
         self._active = False
+
+    def _check_checkpoint(self, pl_module: pl.LightningModule) -> None:
+        """Raise, listing the candidate block classes, when a ``checkpoint`` selector matches no module."""
+        assert self.checkpoint is not None
+        select_blocks(pl_module, self.checkpoint, call=f"ActivationOffloadCallback(checkpoint={self.checkpoint!r})")
+
+    def _remove_checkpointing(self, pl_module: pl.LightningModule) -> None:
+        if self._checkpointed:
+            remove_checkpointing(pl_module, self._checkpointed)
+            self._checkpointed = []
 
     def _cuda_device(self) -> torch.device | None:
         device = self._device
@@ -388,6 +424,23 @@ class ActivationOffloadCallback(Callback):
         # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
         for key, value in summaries.compute(pl_module.device).items():
             pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1, sync_dist=True)
+
+
+def _builds_layers_after_setup(pl_module: pl.LightningModule) -> bool:
+    """Whether the module may create layers after the callbacks' ``setup``: in its own ``setup`` (called after the
+    callbacks') or in ``configure_model`` (called after every ``setup``)."""
+    return any(is_overridden(hook, pl_module) for hook in ("setup", "configure_model", "configure_sharded_model"))
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "ActivationOffloadCallback(memory_picture=True): drawing the memory picture needs matplotlib, which is "
+            "not installed; install it with `pip install matplotlib` (or `pip install lightning-offload[plot]`), "
+            "or pass memory_picture=False"
+        ) from err
 
 
 def _will_log(trainer: pl.Trainer) -> bool:

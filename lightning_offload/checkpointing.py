@@ -20,14 +20,22 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_checkpointing", "checkpointed_modules", "find_repeated_blocks", "remove_checkpointing"]
+__all__ = [
+    "apply_checkpointing",
+    "candidate_blocks",
+    "checkpointed_modules",
+    "find_repeated_blocks",
+    "parse_blocks",
+    "remove_checkpointing",
+    "select_blocks",
+]
 
 BlockSelector = str | type[nn.Module]
 
@@ -35,6 +43,8 @@ _ALLOWED = (
     "'auto', a class name or module qualified name (str), an nn.Module subclass, or a non-empty sequence of "
     "class names / qualified names / nn.Module subclasses"
 )
+# Modules that only hold other modules: never a block themselves (naming a list means its children).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # Keyword arguments through which layers receive a key/value cache. A layer that appends to its cache must not run
 # twice (the backward recompute would append again and the recomputed shapes would no longer match), so under
 # checkpointing the cache is dropped, as Hugging Face's own gradient checkpointing does.
@@ -127,9 +137,36 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     if best is None:
         raise ValueError(
             f"find_repeated_blocks: {type(model).__name__} has no nn.ModuleList whose children all share one "
-            "class; pass apply_checkpointing(model, blocks=...) a class name, qualified name or nn.Module subclass"
+            "class; pass apply_checkpointing(model, blocks=...) a class name, qualified name or nn.Module subclass "
+            f"(candidate block classes: {candidate_blocks(model)})"
         )
     return best[1], best[2]
+
+
+def candidate_blocks(model: nn.Module) -> list[str]:
+    """Class names that look like blocks worth checkpointing, for error messages and for choosing ``blocks``.
+
+    A candidate is the class of a child of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential``, or a class
+    with more than one instance in ``model``; containers themselves are not. Classes defined outside ``torch.nn``
+    (a model's own layers) come first, each group in the order the model lists its modules.
+
+    Args:
+        model: the model to search.
+
+    Returns:
+        The class names, without repeats.
+    """
+    counts: dict[type[nn.Module], int] = {}
+    in_container: set[type[nn.Module]] = set()
+    for module in model.modules():
+        counts[type(module)] = counts.get(type(module), 0) + 1
+        if isinstance(module, _CONTAINERS):
+            in_container.update(type(child) for child in module.children())
+    found = [
+        cls for cls, count in counts.items() if not issubclass(cls, _CONTAINERS) and (cls in in_container or count > 1)
+    ]
+    found.sort(key=lambda cls: cls.__module__.startswith("torch.nn."))  # stable: model order within each group
+    return [cls.__name__ for cls in found]
 
 
 def apply_checkpointing(model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto") -> list[str]:
@@ -139,51 +176,79 @@ def apply_checkpointing(model: nn.Module, blocks: BlockSelector | Sequence[Block
     under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, only while the module is training and
     gradients are enabled, so evaluation and inference run exactly as before. Applying twice wraps nothing twice.
     A selected module nested in another selected module is left alone (checkpointing it again saves nothing).
+    :func:`remove_checkpointing` undoes it; parameters, buffers and ``state_dict`` keys never change.
 
     Args:
         model: the model to modify in place.
         blocks: which modules to checkpoint. ``"auto"``: the children of :func:`find_repeated_blocks` (a
             transformer's decoder layers). A ``str``: modules whose class name or qualified name equals it (a
             qualified name of an ``nn.ModuleList`` selects its children). An ``nn.Module`` subclass: its
-            instances. A sequence of these: their union.
+            instances. A sequence of these (names and classes mixed): their union.
 
     Returns:
         The qualified names of the checkpointed modules (also those that were already checkpointed).
 
     Raises:
-        ValueError: ``blocks`` is of another kind, or a selector matches no module.
+        ValueError: ``blocks`` is of another kind, or a selector matches no module (the message lists
+            :func:`candidate_blocks`).
     """
-    selectors = _selectors(blocks)
+    names = select_blocks(model, blocks)
+    modules = dict(model.named_modules())
+    for name in names:
+        _wrap(modules[name])
+    return names
+
+
+def select_blocks(
+    model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto", call: str | None = None
+) -> list[str]:
+    """The qualified names of the modules :func:`apply_checkpointing` would wrap; changes nothing.
+
+    Args:
+        model: the model to search.
+        blocks: as for :func:`apply_checkpointing`.
+        call: the call to quote in error messages (default ``apply_checkpointing(blocks=...)``).
+
+    Returns:
+        The outermost selected modules, in the order of ``model.named_modules()``.
+
+    Raises:
+        ValueError: ``blocks`` is of another kind, or a selector matches no module (the message lists
+            :func:`candidate_blocks`).
+    """
+    call = call or f"apply_checkpointing(blocks={blocks!r})"
     selected: dict[int, str] = {}
-    for selector in selectors:
-        matches = _match(model, selector)
+    for selector in parse_blocks(blocks, call):
+        matches = _match(model, selector, call)
         if not matches:
             raise ValueError(
-                f"apply_checkpointing(blocks={blocks!r}): {selector!r} matches no module of {type(model).__name__} "
-                f"(by class name, qualified name or type); blocks must be {_ALLOWED}"
+                f"{call}: {_selector_text(selector)} matches no module of {type(model).__name__} (by class name, "
+                f"qualified name or type); candidate block classes: {candidate_blocks(model)}; "
+                f"blocks must be {_ALLOWED}"
             )
         for name, module in matches:
             selected.setdefault(id(module), name)
     names = sorted(selected.values(), key=_name_order(model))
     # Outermost wins: a checkpointed block recomputes its whole body anyway.
-    outer = [n for n in names if not any(_is_ancestor(other, n) for other in names if other != n)]
-    modules = dict(model.named_modules())
-    for name in outer:
-        _wrap(modules[name])
-    return outer
+    return [n for n in names if not any(_is_ancestor(other, n) for other in names if other != n)]
 
 
-def remove_checkpointing(model: nn.Module) -> list[str]:
-    """Undo :func:`apply_checkpointing`: every wrapped module gets its previous ``forward`` back.
+def remove_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:
+    """Undo :func:`apply_checkpointing`: wrapped modules get their previous ``forward`` back.
 
     Args:
         model: the model to restore in place.
+        names: restore only these qualified names (those one :func:`apply_checkpointing` call returned, say);
+            names that are not wrapped or no longer exist are skipped. ``None``: every wrapped module.
 
     Returns:
         The qualified names of the modules restored.
     """
+    wanted = None if names is None else set(names)
     restored = []
     for name, module in model.named_modules():
+        if wanted is not None and name not in wanted:
+            continue
         wrapper = module.__dict__.get("forward")
         if isinstance(wrapper, _CheckpointedForward):
             if wrapper.original is None:
@@ -208,7 +273,18 @@ def _wrap(module: nn.Module) -> None:
     module.__dict__["forward"] = _CheckpointedForward(module, current)
 
 
-def _selectors(blocks: Any) -> list[BlockSelector]:
+def parse_blocks(blocks: Any, call: str | None = None) -> list[BlockSelector]:
+    """Check that ``blocks`` is a valid selector for :func:`apply_checkpointing`; return it as a list.
+
+    Args:
+        blocks: ``"auto"``, a class or qualified name, an ``nn.Module`` subclass, or a non-empty sequence of names
+            and subclasses (mixed; ``"auto"`` only on its own).
+        call: the call to quote in error messages (default ``apply_checkpointing(blocks=...)``).
+
+    Raises:
+        ValueError: ``blocks`` is of another kind.
+    """
+
     def valid(item: Any) -> bool:
         return (isinstance(item, str) and item != "") or (isinstance(item, type) and issubclass(item, nn.Module))
 
@@ -217,12 +293,24 @@ def _selectors(blocks: Any) -> list[BlockSelector]:
             return [blocks]
     elif isinstance(blocks, Sequence) and len(blocks) > 0 and all(valid(b) and b != "auto" for b in blocks):
         return list(blocks)
-    raise ValueError(f"apply_checkpointing(blocks={blocks!r}): blocks must be {_ALLOWED}")
+    call = call or f"apply_checkpointing(blocks={blocks!r})"
+    raise ValueError(f"{call}: blocks must be {_ALLOWED}")
 
 
-def _match(model: nn.Module, selector: BlockSelector) -> list[tuple[str, nn.Module]]:
+def _selector_text(selector: BlockSelector) -> str:
+    return selector.__name__ if isinstance(selector, type) else repr(selector)
+
+
+def _match(model: nn.Module, selector: BlockSelector, call: str) -> list[tuple[str, nn.Module]]:
     if selector == "auto":
-        prefix, children = find_repeated_blocks(model)
+        try:
+            prefix, children = find_repeated_blocks(model)
+        except ValueError:
+            raise ValueError(
+                f"{call}: 'auto' found no nn.ModuleList whose children all share one class in "
+                f"{type(model).__name__}; name the blocks by class name, qualified name or nn.Module subclass "
+                f"(candidate block classes: {candidate_blocks(model)})"
+            ) from None
         return [(_join(prefix, str(i)), child) for i, child in enumerate(children)]
     matches: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():

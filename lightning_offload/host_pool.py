@@ -33,15 +33,40 @@ def size_class(nbytes: int) -> int:
 
 
 class HostMemoryFull(RuntimeError):
-    """Raised when a host buffer would exceed the pool's limit or the machine's free RAM."""
+    """Raised when a host buffer would exceed the pool's limit or the machine's free RAM.
 
-    def __init__(self, needed: int, held: int, limit: int, available: int) -> None:
+    ``str(err)`` is the message for ``on_host_full="error"``; :meth:`message` gives the one for either mode.
+
+    Args:
+        needed: bytes of the buffer that did not fit.
+        held: bytes the pool held at the time.
+        limit: the pool's limit in bytes.
+        available: RAM the machine had available, in bytes.
+        device_type: the compute device's type (``"cuda"``, ``"cpu"``): where tensors stay when they do not fit.
+    """
+
+    def __init__(self, needed: int, held: int, limit: int, available: int, device_type: str = "cuda") -> None:
         self.needed, self.held, self.limit, self.available = needed, held, limit, available
-        super().__init__(
-            f"offloading needs {_size(needed)} more host memory; the pool holds {_size(held)}, its limit is "
-            f"host_memory_limit={limit} ({_size(limit)}) and the machine has {_size(available)} of RAM available. "
-            "Raise host_memory_limit (if RAM allows), offload less (resident_tail_bytes, "
-            "min_tensor_bytes, max_offload_bytes), or pass on_host_full='warn' to keep such tensors on the GPU."
+        self.device_type = device_type
+        super().__init__(self.message("error"))
+
+    def message(self, on_host_full: str) -> str:
+        """What happened and what to change, for the ``on_host_full`` mode in effect (``"warn"`` or ``"error"``)."""
+        device = "GPU" if self.device_type == "cuda" else "device"
+        what = (
+            f"offloading needs {_size(self.needed)} more host memory; the pool holds {_size(self.held)}, its limit "
+            f"is host_memory_limit={self.limit} ({_size(self.limit)}) and the machine has {_size(self.available)} "
+            "of RAM available."
+        )
+        less = "offload less (resident_tail_bytes, min_tensor_bytes, max_offload_bytes)"
+        if on_host_full == "warn":
+            return (
+                f"{what} Tensors that do not fit stay on the {device} (on_host_full='warn'; this warning is shown "
+                f"once). To offload them, raise host_memory_limit (if RAM allows); to silence this, {less}."
+            )
+        return (
+            f"{what} Raise host_memory_limit (if RAM allows), {less}, or pass on_host_full='warn' to keep tensors "
+            f"that do not fit on the {device}."
         )
 
 
@@ -131,7 +156,13 @@ class HostPool:
             self._forget(item.buffer)
             self.reserved_bytes -= cls
         if not self._fits(nbytes, limit):
-            raise HostMemoryFull(nbytes, self.reserved_bytes, limit, psutil.virtual_memory().available)
+            raise HostMemoryFull(
+                nbytes,
+                self.reserved_bytes,
+                limit,
+                psutil.virtual_memory().available,
+                device_type="cuda" if self.pinned else "cpu",
+            )
 
     def _fits(self, nbytes: int, limit: int) -> bool:
         if self.reserved_bytes + nbytes > limit:

@@ -72,6 +72,9 @@ class OffloadOptions:
         for name in ("max_inflight_bytes", "host_memory_limit"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=True)
+        _check_host_limit(
+            caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES)
+        )
         measure = kwargs.get("measure_copies", False)
         if not isinstance(measure, bool):
             raise TypeError(f"{caller}(measure_copies={measure!r}): measure_copies must be True or False")
@@ -96,6 +99,29 @@ def _check_bytes(caller: str, name: str, value: Any, allow_none: bool, auto: boo
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         allowed = "a byte count >= 0" + (", 'auto'" if auto else "") + (" or None" if allow_none else "")
         raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
+
+
+def _host_limit_floor(min_tensor_bytes: int) -> int:
+    """The smallest useful ``host_memory_limit``: one pool buffer for a tensor of ``min_tensor_bytes``.
+
+    The pool hands out buffers by size class (never below 64 KiB), so a smaller limit could not hold even the
+    smallest tensor that is eligible for offloading, and offloading would silently never happen.
+    """
+    from lightning_offload.host_pool import size_class  # the pool imports this module
+
+    return size_class(min_tensor_bytes)
+
+
+def _check_host_limit(caller: str, limit: int | None, min_tensor_bytes: int) -> None:
+    if limit is None:
+        return
+    floor = _host_limit_floor(min_tensor_bytes)
+    if limit < floor:
+        raise ValueError(
+            f"{caller}(host_memory_limit={limit}): host_memory_limit must be None or at least {floor} bytes, the "
+            f"pool buffer for the smallest tensor that is offloaded (min_tensor_bytes={min_tensor_bytes}); a smaller "
+            "limit holds no buffer at all and nothing would be offloaded"
+        )
 
 
 def _parse_device(caller: str, value: Any) -> torch.device | None:

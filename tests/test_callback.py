@@ -25,7 +25,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_offload import ActivationOffloadCallback, OffloadStats
+from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing
+from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.host_pool import pool_for
 from tests.models import MLP, CheckpointModel
 
@@ -439,6 +440,118 @@ def test_checkpoint_auto_with_model_built_in_configure_model(tmp_path: Path) -> 
     assert_clean(callback)
 
 
+def test_checkpoint_accepts_a_class_and_lists_mixing_classes_and_names(tmp_path: Path) -> None:
+    """``checkpoint=`` takes an ``nn.Module`` subclass, or a list mixing classes and names, like
+    ``apply_checkpointing``: the blocks are checkpointed, so only their inputs are offloaded."""
+    for i, checkpoint in enumerate((Block, ["net.blocks.0", Block])):
+        callback = offload_callback(checkpoint=checkpoint)
+        plain, offloaded, recorder = run_pair(
+            tmp_path / str(i), lambda cb: LitNet(BlockStack, cb), batches(2), callback
+        )
+        assert_same_training(offloaded, plain)
+        expected = len(offloaded.net.blocks) * BATCH * WIDTH * 4  # only the block inputs, as with "auto"
+        assert [s.offloaded_bytes for s in recorder.stats] == [expected, expected], checkpoint
+        assert_clean(callback)
+
+
+class SetupSpy(pl.Callback):
+    """Listed after the offload callback: records the hooks Lightning reached."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.calls.append("setup")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.calls.append("on_fit_start")
+
+
+@pytest.mark.parametrize("on_cuda_only", [False, True])
+def test_checkpoint_name_matching_nothing_fails_at_setup(tmp_path: Path, on_cuda_only: bool) -> None:
+    """A ``checkpoint=`` name that matches no module raises in ``setup`` (before the next callback's ``setup``),
+    listing the candidate block classes, also when the callback does nothing on this machine (no CUDA)."""
+    kwargs: dict[str, Any] = {"checkpoint": ["Block", "DecoderLayer"]}
+    callback = ActivationOffloadCallback(**kwargs) if on_cuda_only else offload_callback(**kwargs)
+    spy = SetupSpy()
+    module = LitNet(BlockStack, callback)
+    with pytest.raises(ValueError) as info:
+        fit(tmp_path, module, batches(2), [callback, spy])
+    message = str(info.value)
+    assert message.startswith(
+        "ActivationOffloadCallback(checkpoint=['Block', 'DecoderLayer']): 'DecoderLayer' matches no module of LitNet"
+    ), message
+    assert "candidate block classes: ['Block', 'Linear', 'LayerNorm']" in message, message
+    assert spy.calls == []
+    assert module.forward_log == []
+    assert checkpointed_modules(module) == []
+    assert top_hooks() is None
+
+
+def test_checkpoint_name_matching_nothing_with_configure_model_fails_before_training(tmp_path: Path) -> None:
+    """When the blocks are built in ``configure_model`` (after ``setup``), the name is checked as soon as they
+    exist: before the first batch, with the candidates listed."""
+    callback = offload_callback(checkpoint="DecoderLayer")
+    spy = SetupSpy()
+    module = ConfigureModelLit(callback)
+    with pytest.raises(ValueError, match=r"'DecoderLayer' matches no module.*candidate block classes: \['Block'"):
+        fit(tmp_path, module, batches(2), [callback, spy])
+    assert spy.calls == ["setup"]
+    assert module.forward_log == []
+    assert top_hooks() is None
+
+
+def saved_tensor_count(net: nn.Module, batch: torch.Tensor) -> int:
+    """How many tensors autograd saves in one training forward of ``net`` (checkpointed blocks save only inputs)."""
+    count = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        net(batch)
+    return count
+
+
+class FailingStackLit(LitNet):
+    """``BlockStack`` whose ``training_step`` raises on batch 1."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.forward_logged(batch)
+        if batch_idx == 1:
+            raise RuntimeError("training_step failed on purpose")
+        return loss
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_checkpoint_wrappers_removed_after_fit(tmp_path: Path, fails: bool) -> None:
+    """The wrappers ``checkpoint=`` applied are gone after ``fit`` (also one that raised): every block's forward is
+    the class's again and saves what it saved before; ``state_dict`` keys are unchanged; wrappers the user applied
+    before the fit stay."""
+    callback = offload_callback(checkpoint="auto")
+    module = (FailingStackLit if fails else LitNet)(BlockStack, callback)
+    apply_checkpointing(module, "net.blocks.0")  # the user's own: not the callback's to remove
+    module.train()
+    x = batches(1)[0]
+    keys = list(module.state_dict())
+    saved_before = saved_tensor_count(module.net, x)
+    if fails:
+        with pytest.raises(RuntimeError, match="failed on purpose"):
+            fit(tmp_path, module, batches(3), [callback], max_steps=3)
+    else:
+        fit(tmp_path, module, batches(2), [callback])
+    # Checkpointing ran during the fit: only the three block inputs were offloaded.
+    assert module.forward_log[0] == (True, len(module.net.blocks) * BATCH * WIDTH * 4)
+    assert checkpointed_modules(module) == ["net.blocks.0"]
+    assert all("forward" not in block.__dict__ for block in module.net.blocks[1:])
+    assert list(module.state_dict()) == keys
+    module.train()
+    assert saved_tensor_count(module.net, x) == saved_before
+    assert top_hooks() is None
+
+
 class ValidatingLit(LitNet):
     """Validation inside training: records whether hooks were installed while it ran, and what the engine saw."""
 
@@ -651,6 +764,12 @@ def test_two_callbacks_rejected_at_setup(tmp_path: Path) -> None:
     [
         ({"mode": "fast"}, r"mode='fast'"),
         ({"checkpoint": 3}, r"checkpoint=3"),
+        ({"checkpoint": ""}, r"checkpoint=''"),
+        ({"checkpoint": [Block, 3]}, r"checkpoint=\[<class .*Block'>, 3\]"),
+        ({"checkpoint": ["auto", Block]}, r"checkpoint=\['auto'"),
+        ({"checkpoint": nn.Linear(2, 2)}, r"checkpoint=Linear"),
+        ({"host_memory_limit": 1024}, r"host_memory_limit=1024.*at least 1048576"),
+        ({"host_memory_limit": 0}, r"host_memory_limit=0"),
         ({"min_tensor_bytes": -1}, r"min_tensor_bytes=-1"),
     ],
 )
@@ -688,6 +807,31 @@ def test_callback_pickles(tmp_path: Path) -> None:
         assert_same_training(trained, plain)
         assert clone.stats.offloaded_bytes > 0
     assert_clean(callback)
+
+
+def big_stack() -> nn.Module:
+    """``BlockStack`` with 4 MiB of parameters the forward never uses: the size a pickled model would show."""
+    net = BlockStack()
+    net.ballast = nn.Linear(1024, 1024)
+    return net
+
+
+def test_pickled_callback_after_fit_does_not_carry_the_model(tmp_path: Path) -> None:
+    """After a fit the callback pickles small (Lightning's ``log``/``log_dict`` bound to the module are dropped),
+    and the copy trains a second model bit for bit like a plain run."""
+    callback = offload_callback(checkpoint="auto")
+    module = LitNet(big_stack, callback)
+    fit(tmp_path / "first", module, batches(2), [callback])
+    assert len(pickle.dumps(module)) > 4 << 20
+    assert len(pickle.dumps(callback)) < 64 << 10
+    clone = pickle.loads(pickle.dumps(callback))
+    plain = LitNet(big_stack)
+    fit(tmp_path / "plain", plain, batches(2))
+    trained = LitNet(big_stack, clone)
+    fit(tmp_path / "second", trained, batches(2), [clone])
+    assert_same_training(trained, plain)
+    assert clone.stats.offloaded_bytes == len(trained.net.blocks) * BATCH * WIDTH * 4
+    assert_clean(clone)
 
 
 def test_mode_off_counts_without_offloading(tmp_path: Path) -> None:

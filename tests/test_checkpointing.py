@@ -13,9 +13,12 @@ from torch import nn
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import (
     apply_checkpointing,
+    candidate_blocks,
     checkpointed_modules,
     find_repeated_blocks,
+    parse_blocks,
     remove_checkpointing,
+    select_blocks,
 )
 
 HIDDEN = 32
@@ -160,6 +163,51 @@ def test_bad_blocks_argument(toy: Toy, blocks: object) -> None:
     with pytest.raises(ValueError, match=r"apply_checkpointing\(blocks=") as info:
         apply_checkpointing(toy, blocks)  # type: ignore[arg-type]
     assert "'auto'" in str(info.value) and "nn.Module subclass" in str(info.value)
+
+
+def test_unmatched_name_lists_the_candidate_block_classes(toy: Toy) -> None:
+    """A name that matches nothing raises naming the call and the name, and lists the classes that look like blocks
+    (the model's own first), so the user can pick one."""
+    with pytest.raises(ValueError) as info:
+        apply_checkpointing(toy, ["Block", "DecoderLayer"])
+    message = str(info.value)
+    assert message.startswith("apply_checkpointing(blocks=['Block', 'DecoderLayer']): 'DecoderLayer' matches no")
+    assert "candidate block classes: ['Block', 'LayerNorm', 'Linear', 'Dropout']" in message, message
+    assert checkpointed_modules(toy) == []  # the valid name was not applied either
+
+
+def test_auto_without_repeated_list_lists_the_candidates() -> None:
+    """``"auto"`` on a model without a uniform ``ModuleList`` names the call and lists the candidate classes."""
+    model = nn.Sequential(Block(), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+    with pytest.raises(ValueError) as info:
+        apply_checkpointing(model, "auto")
+    message = str(info.value)
+    assert message.startswith("apply_checkpointing(blocks='auto'): 'auto' found no nn.ModuleList"), message
+    assert "candidate block classes: ['Block', 'LayerNorm', 'Linear', 'ReLU']" in message, message
+
+
+def test_candidate_blocks_are_list_children_and_repeated_classes(toy: Toy) -> None:
+    """Candidates: children of lists and sequentials and classes with several instances, never the containers."""
+    assert candidate_blocks(toy) == ["Block", "LayerNorm", "Linear", "Dropout"]
+    assert candidate_blocks(nn.Linear(2, 2)) == []
+
+
+def test_select_blocks_names_the_call_and_changes_nothing(toy: Toy) -> None:
+    """``select_blocks`` returns what ``apply_checkpointing`` would wrap without wrapping; errors quote ``call``."""
+    assert select_blocks(toy, [Block, "norms"]) == ["layers.0", "layers.1", "layers.2", "norms.0", "norms.1", "norms.2"]
+    assert checkpointed_modules(toy) == []
+    with pytest.raises(ValueError, match=r"^Caller\(checkpoint='Nope'\): 'Nope' matches no module"):
+        select_blocks(toy, "Nope", call="Caller(checkpoint='Nope')")
+    with pytest.raises(ValueError, match=r"^Caller\(checkpoint=3\): blocks must be"):
+        parse_blocks(3, call="Caller(checkpoint=3)")
+
+
+def test_remove_only_the_named_modules(toy: Toy) -> None:
+    """``remove_checkpointing(model, names)`` restores those modules and leaves other wrapped ones wrapped;
+    unknown or unwrapped names are skipped."""
+    apply_checkpointing(toy)
+    assert remove_checkpointing(toy, ["layers.1", "layers.9", "embed"]) == ["layers.1"]
+    assert checkpointed_modules(toy) == ["layers.0", "layers.2"]
 
 
 def test_gradients_bit_identical_with_and_without_checkpointing(toy: Toy) -> None:

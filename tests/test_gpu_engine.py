@@ -118,7 +118,8 @@ def test_pool_is_pinned(net: tuple[nn.Module, torch.Tensor]) -> None:
 
 
 def test_side_stream_producer(net: tuple[nn.Module, torch.Tensor]) -> None:
-    """A tensor produced on another stream is copied after it is complete (lesson 1: current stream per hook)."""
+    """A tensor produced on another stream is copied after it is complete: each hook orders its copy after the
+    stream that is current when the tensor is saved."""
     torch.manual_seed(1)
     w = torch.randn(2048, 2048, device="cuda", requires_grad=True)
     x = torch.randn(2048, 2048, device="cuda")
@@ -197,8 +198,8 @@ def test_stall_measured_and_retain_graph() -> None:
     assert stats.d2h_gbps() > 1.0
 
 
-def test_lesson2_and_3_reused_memory_cannot_corrupt_copies() -> None:
-    """Lessons 2 and 3: a source whose copy out is in flight, and a buffer a copy back writes into, are never handed
+def test_allocator_reuse_cannot_corrupt_copies_in_flight() -> None:
+    """A source whose copy out is in flight, and a buffer a copy back writes into, are never handed
     to new tensors early. Forward and backward each run while other work churns the allocator with garbage fills;
     the gradients still equal the plain ones. (Added after the session's last H200 run: not yet run there.)"""
     torch.manual_seed(0)
@@ -217,8 +218,8 @@ def test_lesson2_and_3_reused_memory_cannot_corrupt_copies() -> None:
             assert torch.equal(ref, p.grad)
 
 
-def test_lesson11_streams_created_once() -> None:
-    """Lesson 11: the copy streams are created once per device and process, not per engine or step."""
+def test_copy_streams_created_once_per_device_and_process() -> None:
+    """The copy streams are created once per device and process, not per engine or step."""
     from lightning_offload.streams import copy_streams
 
     first = copy_streams(torch.device("cuda"))

@@ -75,6 +75,33 @@ def test_limit_raises_host_memory_full() -> None:
     assert (pool.allocations, pool.reserved_bytes, pool.in_use_bytes) == (2, 128 * KiB, 128 * KiB)
 
 
+def test_host_full_from_a_cpu_pool_says_device_not_gpu() -> None:
+    """A pool of plain (CPU test mode) buffers raises HostMemoryFull for the CPU: its messages say "device"."""
+    pool = HostPool(pinned=False)
+    pool.acquire(64 * KiB, 64 * KiB)
+    with pytest.raises(HostMemoryFull) as info:
+        pool.acquire(64 * KiB, 64 * KiB)
+    err = info.value
+    assert err.device_type == "cpu"
+    for mode in ("warn", "error"):
+        assert "GPU" not in err.message(mode) and "on the device" in err.message(mode), err.message(mode)
+
+
+@pytest.mark.parametrize(("device_type", "where"), [("cuda", "on the GPU"), ("cpu", "on the device")])
+def test_host_full_message_depends_on_the_mode(device_type: str, where: str) -> None:
+    """``on_host_full="error"`` (also ``str(err)``) suggests passing ``on_host_full='warn'``; ``"warn"`` says the
+    tensors stay where they are and never tells the user to pass what they already passed."""
+    err = HostMemoryFull(needed=128 * KiB, held=1 << 20, limit=1 << 20, available=8 << 30, device_type=device_type)
+    error, warn = err.message("error"), err.message("warn")
+    assert str(err) == error
+    for text in (error, warn):
+        assert "host_memory_limit=1048576 (1.00 MiB)" in text and "131072 bytes" in text, text
+        assert where in text and ("GPU" in text) == (device_type == "cuda"), text
+    assert "pass on_host_full='warn'" in error
+    assert "pass on_host_full" not in warn and "stay on the" in warn and "on_host_full='warn'" in warn
+    assert "raise host_memory_limit" in warn and "offload less" in warn
+
+
 def test_limit_evicts_idle_buffers_of_other_classes() -> None:
     """When a new class would cross the limit, idle buffers of other classes are dropped to make room."""
     pool = HostPool(pinned=False)

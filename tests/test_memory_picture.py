@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -166,3 +167,15 @@ def test_recorded_batch_skipped_by_the_module_leaves_no_hooks(tmp_path: Path) ->
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert kinds(callback) == ["offloaded", "baseline"]  # recorded again in the next epoch
     assert_picture(tmp_path / FILENAME)
+
+
+def test_memory_picture_without_matplotlib_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory_picture=True`` without matplotlib raises ImportError when the callback is created (not when the
+    picture is drawn, after a training step), with the install command; without the picture nothing is needed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` now raises ImportError
+    with pytest.raises(ImportError) as info:
+        ActivationOffloadCallback(compute_device="cpu", memory_picture=True)
+    message = str(info.value)
+    assert message.startswith("ActivationOffloadCallback(memory_picture=True): "), message
+    assert "pip install matplotlib" in message and "lightning-offload[plot]" in message, message
+    assert ActivationOffloadCallback(compute_device="cpu", memory_picture=False)._picture is None

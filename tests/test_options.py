@@ -50,6 +50,36 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception],
     assert top_hooks() is None
 
 
+@pytest.mark.parametrize(
+    ("limit", "min_tensor_bytes", "floor"),
+    [
+        (0, None, 1 << 20),  # default min_tensor_bytes: the 1 MiB tensor's buffer
+        (1024, None, 1 << 20),
+        ((1 << 20) - 1, None, 1 << 20),
+        (1024, 0, 64 << 10),  # every tensor eligible: the pool's smallest buffer, 64 KiB
+        ((64 << 10) - 1, 1, 64 << 10),
+        (1 << 20, (1 << 20) + 1, 1152 << 10),  # rounded up to the next size class
+    ],
+)
+def test_host_memory_limit_below_one_buffer_is_refused(limit: int, min_tensor_bytes: int | None, floor: int) -> None:
+    """A ``host_memory_limit`` that cannot hold the buffer of the smallest offloadable tensor raises at creation,
+    naming the argument, its value and the minimum (offloading would otherwise silently never happen)."""
+    kwargs: dict[str, Any] = {"host_memory_limit": limit}
+    if min_tensor_bytes is not None:
+        kwargs["min_tensor_bytes"] = min_tensor_bytes
+    for caller, make in (
+        ("offload_activations", lambda: offload_activations(**kwargs)),
+        ("my_caller", lambda: OffloadOptions.create("my_caller", **kwargs)),
+    ):
+        with pytest.raises(ValueError) as info:
+            make()
+        message = str(info.value)
+        assert message.startswith(f"{caller}(host_memory_limit={limit}): ")
+        assert f"at least {floor} bytes" in message, message
+    # The minimum itself is accepted.
+    assert OffloadOptions.create("t", **{**kwargs, "host_memory_limit": floor}).host_memory_limit == floor
+
+
 def test_unknown_argument_lists_the_allowed_ones() -> None:
     """An unknown keyword raises TypeError naming it and listing every allowed option."""
     with pytest.raises(TypeError) as info:
@@ -85,13 +115,13 @@ def test_valid_options_round_trip() -> None:
         max_offload_bytes=None,
         max_inflight_bytes=None,
         prefetch_bytes=1,
-        host_memory_limit=10,
+        host_memory_limit=64 << 10,
         on_host_full="error",
         measure_copies=True,
     )
     assert options.mode == "off" and options.compute_device == torch.device("cpu")
     assert (options.min_tensor_bytes, options.resident_tail_bytes, options.prefetch_bytes) == (0, 7, 1)
-    assert options.max_inflight_bytes is None and options.host_memory_limit == 10
+    assert options.max_inflight_bytes is None and options.host_memory_limit == 64 << 10
     assert options.on_host_full == "error" and options.measure_copies is True
     assert options.resolved_device() == torch.device("cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -219,15 +219,15 @@ def test_is_parameter_like_recognises_parameters_views_and_casts() -> None:
 
 
 def test_is_parameter_like_cast_of_transposed_weight() -> None:
-    """Lesson 7: autocast casts a matmul's operands as given, so ``h @ w.t()`` (tied embeddings, hand-written output
+    """Autocast casts a matmul's operands as given, so ``h @ w.t()`` (tied embeddings, hand-written output
     projections) saves a bf16 cast of the *transposed* weight. That cast is parameter-like too."""
     w = nn.Parameter(torch.randn(8, 4))
     assert is_parameter_like(w.t().to(torch.bfloat16))
     assert is_parameter_like(w[:, :2].to(torch.bfloat16))
 
 
-def test_lesson7_autocast_matmul_with_transposed_weight_keeps_the_cast() -> None:
-    """Lesson 7 end to end: under bf16 autocast, ``h @ w.t()`` saves bf16 h (an activation: offloaded) and a bf16
+def test_autocast_matmul_with_transposed_weight_offloads_only_the_activation() -> None:
+    """End to end: under bf16 autocast, ``h @ w.t()`` saves bf16 h (an activation: offloaded) and a bf16
     copy of ``w.t()`` (a cast of a parameter: must stay). Offloaded bytes are h's only, counted by hand."""
     w = nn.Parameter(torch.randn(16, 8))
     x0 = torch.randn(4, 8, requires_grad=True)

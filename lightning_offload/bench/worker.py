@@ -1,6 +1,6 @@
 """One workload, every mode, in one process: ``python -m lightning_offload.bench.worker --workload NAME ...``.
 
-Protocol (REFERENCE §5): each mode starts from the same weights and a fresh optimizer, runs ``warmup`` steps and
+Protocol: each mode starts from the same weights and a fresh optimizer, runs ``warmup`` steps and
 then ``steps`` timed steps with a device synchronization around each; peak memory is read over the timed steps
 after resetting the counters; the first step's gradients are compared with those of ``none``. The JSON result
 is rewritten after every mode, so a crash or a timeout still leaves the rows measured so far.

@@ -1,4 +1,4 @@
-"""The benchmark's workloads (REFERENCE §5 shapes) and modes, and the default mode list of each workload."""
+"""The benchmark's workloads (random-init Llama shapes) and modes, and the default mode list of each workload."""
 
 from __future__ import annotations
 
@@ -152,7 +152,8 @@ WORKLOADS: dict[str, Workload] = {
             batch=1,
             seq=8192,
             lora=True,
-            # ~1 s per plain step and ~3-5 s offloaded: no `off` (P4 judges it) and no TRL (not in REFERENCE §1).
+            # ~1 s per plain step and ~3-5 s offloaded: no `off` (P4 judges it on the other workloads) and no `trl`
+            # anchor (the 8B LoRA rows are compared with the save_on_cpu and torchtune anchors).
             modes=(
                 *_BASELINES,
                 "streamed",
