@@ -113,7 +113,7 @@ class OutboundQueue:
                 raise
             if not self._warned_host_full:
                 self._warned_host_full = True
-                warnings.warn(f"{err} Keeping the remaining tensors on the device.", RuntimeWarning, stacklevel=5)
+                warnings.warn(err.message("warn"), RuntimeWarning, stacklevel=5)
             self.keep_resident(copy, stats)
             return
         copy.host, copy.pool = host, self._pool

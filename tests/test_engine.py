@@ -1,4 +1,4 @@
-"""The engine end to end on CPU: gradients bit for bit, exact restores, and the lessons of REFERENCE.md §3.
+"""The engine end to end on CPU: gradients bit for bit, exact restores, and the ways offloaders have broken before.
 
 With ``compute_device="cpu"`` CPU tensors count as offloadable and move into separate pooled host buffers, so
 every byte that backward reads went through a copy; any bookkeeping error shows up as a wrong gradient.
@@ -44,7 +44,7 @@ def maybe(engine: OffloadEngine | None) -> AbstractContextManager[object]:
     return engine if engine is not None else nullcontext()
 
 
-# ---------------------------------------------------------------------------------------------- gradients
+# ------------------------------------------------------------------------------------------------------------ gradients
 
 
 @pytest.mark.parametrize("mode", [*MODES, "off"])
@@ -143,7 +143,7 @@ def test_inplace_change_after_save_never_silently_used(where: str) -> None:
         assert torch.equal(x.grad, true_grad), "backward silently used the in-place-modified saved tensor"
 
 
-# ---------------------------------------------------------------------------------------------- lesson 8 and dedup
+# ------------------------------------------------------------------------------------------ restored geometry and dedup
 
 
 def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
@@ -151,8 +151,8 @@ def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson8_restored_views_keep_size_stride_and_offset(mode: str) -> None:
-    """Lesson 8: transposes, strided slices, offset views, expands, permutes and dtype views are rebuilt with the
+def test_restored_views_keep_size_stride_and_offset(mode: str) -> None:
+    """Transposes, strided slices, offset views, expands, permutes and dtype views are rebuilt with the
     exact size, stride, storage offset and dtype they were saved with, and the same values."""
     base = torch.randn(6, 8, 10)
     other = torch.randn(5, 12)
@@ -176,8 +176,8 @@ def test_lesson8_restored_views_keep_size_stride_and_offset(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson8_small_slice_of_large_storage(mode: str) -> None:
-    """Lesson 8 for a tensor using under half of its storage: only its span is copied; size, stride, dtype and
+def test_small_slice_of_large_storage(mode: str) -> None:
+    """For a tensor using under half of its storage: only its span is copied; size, stride, dtype and
     values are exact and the offset keeps its alignment modulo 512 bytes (what kernels pick code paths by)."""
     storage = torch.randn(64, 256)  # 64 KiB
     piece = storage[40:44, 3:200]  # starts at a byte offset that is not a multiple of 512
@@ -194,7 +194,7 @@ def test_lesson8_small_slice_of_large_storage(mode: str) -> None:
 
 
 def test_dedup_qkv_of_one_projection_copied_once() -> None:
-    """q, k and v chunked from one projection share a storage: its bytes are offloaded once, and each of the three
+    """Q, k and v chunked from one projection share a storage: its bytes are offloaded once, and each of the three
     views (and their per-head transposes) comes back exactly."""
     qkv = torch.randn(2, 10, 3 * 16)
     q, k, v = qkv.chunk(3, dim=-1)
@@ -257,11 +257,11 @@ def test_same_storage_new_version_gets_new_copy() -> None:
     assert torch.equal(log[0], x.detach() + 1.0)
 
 
-# ---------------------------------------------------------------------------------------------- lesson 6
+# ----------------------------------------------------------------------------------- only tensors of the compute device
 
 
-def test_lesson6_tensors_off_the_compute_device_are_never_offloaded() -> None:
-    """Lesson 6: with compute_device="cpu", tensors saved on another device (meta here) are handed back to autograd
+def test_tensors_off_the_compute_device_are_never_offloaded() -> None:
+    """With compute_device="cpu", tensors saved on another device (meta here) are handed back to autograd
     untouched, while CPU tensors saved in the same window are offloaded."""
     w = torch.randn(8, 8, device="meta", requires_grad=True)
     xm = torch.randn(4, 8, device="meta")
@@ -288,8 +288,8 @@ def test_lesson6_tensors_off_the_compute_device_are_never_offloaded() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_lesson6_default_device_on_a_cpu_only_machine() -> None:
-    """Lesson 6, default device: without CUDA, ``compute_device=None`` offloads nothing (CPU tensors are never
+def test_default_device_on_a_cpu_only_machine() -> None:
+    """Without CUDA, ``compute_device=None`` offloads nothing (CPU tensors are never
     offloaded unless ``compute_device="cpu"`` asks for the test mode), warns once, and gradients are unchanged."""
     assert OffloadOptions.create("test").resolved_device() is None
     engine = offload_activations(min_tensor_bytes=0, resident_tail_bytes=0)
@@ -306,7 +306,7 @@ def test_lesson6_default_device_on_a_cpu_only_machine() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_compute_device_without_cuda_fails_clearly() -> None:
-    """compute_device="cuda" on a machine without CUDA fails with an error naming compute_device (at creation or
+    """Compute_device="cuda" on a machine without CUDA fails with an error naming compute_device (at creation or
     on entering), not with torch's internal assertion, and leaves no hooks installed."""
     with pytest.raises((ValueError, RuntimeError)) as info:
         engine = offload_activations(compute_device="cuda")
@@ -316,7 +316,7 @@ def test_cuda_compute_device_without_cuda_fails_clearly() -> None:
     assert top_hooks() is None
 
 
-# ---------------------------------------------------------------------------------------------- lesson 7
+# ------------------------------------------------------------------------------------------------------ parameters stay
 
 
 class ParamModel(nn.Module):
@@ -340,8 +340,8 @@ class ParamModel(nn.Module):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson7_parameters_views_casts_and_buffers_stay(mode: str) -> None:
-    """Lesson 7: parameters, ``weight.t()``, autocast casts of weights and (with ``model=``) buffers are never
+def test_parameters_views_casts_and_buffers_stay(mode: str) -> None:
+    """Parameters, ``weight.t()``, autocast casts of weights and (with ``model=``) buffers are never
     offloaded; the offloaded bytes are exactly the activations', counted by hand. Without ``model=`` the buffer,
     which nothing else identifies, is offloaded, so the count really depends on the rule."""
     x0 = torch.randn(4, 32, requires_grad=True)
@@ -362,8 +362,8 @@ def test_lesson7_parameters_views_casts_and_buffers_stay(mode: str) -> None:
         assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
 
 
-def test_lesson7_parameter_saved_directly_and_through_views() -> None:
-    """Lesson 7: a parameter saved as itself and through ``.t()``, ``[i]`` and ``expand`` is never offloaded, even
+def test_parameter_saved_directly_and_through_views() -> None:
+    """A parameter saved as itself and through ``.t()``, ``[i]`` and ``expand`` is never offloaded, even
     without ``model=``; a detached alias of it is recognised by storage once ``model=`` is given."""
     layer = nn.Linear(8, 8, bias=False)
     w = layer.weight
@@ -378,12 +378,12 @@ def test_lesson7_parameter_saved_directly_and_through_views() -> None:
     assert engine.stats.offloaded_bytes == 0
 
 
-# ---------------------------------------------------------------------------------------------- lesson 9
+# --------------------------------------------------------------------- several forwards, discarded graphs, retain_graph
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson9_several_forwards_before_one_backward(mode: str) -> None:
-    """Lesson 9: two forwards (in one window, and in two windows) before a single backward give the reference grads."""
+def test_several_forwards_before_one_backward(mode: str) -> None:
+    """Two forwards (in one window, and in two windows) before a single backward give the reference grads."""
     case = CASES[1]  # transformer with SDPA
     model = build(case)
     batch = case.make_batch()
@@ -408,8 +408,8 @@ def test_lesson9_several_forwards_before_one_backward(mode: str) -> None:
     assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
 
 
-def test_lesson9_discarded_forward_does_not_disturb_next_step() -> None:
-    """Lesson 9: a forward whose graph never gets a backward, followed by a normal step, gives the reference grads,
+def test_discarded_forward_does_not_disturb_next_step() -> None:
+    """A forward whose graph never gets a backward, followed by a normal step, gives the reference grads,
     and the step's stats are those of a clean step (nothing from the discarded forward is counted in them)."""
     case = CASES[0]
     model = build(case)
@@ -428,8 +428,8 @@ def test_lesson9_discarded_forward_does_not_disturb_next_step() -> None:
 
 
 @pytest.mark.parametrize("threshold", ["min_tensor_bytes", "no_offload"])
-def test_lesson9_discarded_graph_is_freed(threshold: str) -> None:
-    """Lesson 9/10: the graph of a forward that never gets a backward is freed once dropped, including saved
+def test_discarded_graph_is_freed(threshold: str) -> None:
+    """The graph of a forward that never gets a backward is freed once dropped, including saved
     outputs the engine chose not to offload (below min_tensor_bytes, or under no_offload). A saved output handed
     back to autograd as the very same tensor forms a cycle tensor -> grad_fn -> saved tensor that no gc frees."""
     x = torch.randn(256, requires_grad=True)
@@ -449,8 +449,8 @@ def test_lesson9_discarded_graph_is_freed(threshold: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson9_retain_graph_backward_twice(mode: str) -> None:
-    """Lesson 9: ``backward(retain_graph=True)`` twice reads every offloaded tensor twice and gives the same grads
+def test_retain_graph_backward_twice(mode: str) -> None:
+    """``backward(retain_graph=True)`` twice reads every offloaded tensor twice and gives the same grads
     both times (the second backward's grads equal the first's, accumulated)."""
     case = CASES[3]  # views: many views share one copy
     model = build(case)
@@ -477,11 +477,11 @@ def test_lesson9_retain_graph_backward_twice(mode: str) -> None:
         assert stats.fetched_on_demand_bytes >= stats.offloaded_bytes > 0
 
 
-# ---------------------------------------------------------------------------------------------- lesson 10
+# -------------------------------------------------------------------------------------- exceptions leave nothing behind
 
 
-def test_lesson10_exception_uninstalls_hooks_and_releases_host_memory(cpu_pool: HostPool) -> None:
-    """Lesson 10: an exception inside the block removes the hooks (a later forward outside is not offloaded) and
+def test_exception_uninstalls_hooks_and_releases_host_memory(cpu_pool: HostPool) -> None:
+    """An exception inside the block removes the hooks (a later forward outside is not offloaded) and
     returns every host buffer of the failed step, even while its graph is still referenced."""
     held_before = cpu_pool.in_use_bytes
     engine = make_engine()
@@ -500,8 +500,8 @@ def test_lesson10_exception_uninstalls_hooks_and_releases_host_memory(cpu_pool: 
     assert partial  # the failed step's graph is still referenced here
 
 
-def test_lesson10_reset_releases_host_memory(cpu_pool: HostPool) -> None:
-    """Lesson 10: ``reset()`` after a step that will not get its backward gives every host buffer back."""
+def test_reset_releases_host_memory(cpu_pool: HostPool) -> None:
+    """``reset()`` after a step that will not get its backward gives every host buffer back."""
     held_before = cpu_pool.in_use_bytes
     engine = make_engine()
     x = torch.randn(64, 64, requires_grad=True)
@@ -515,8 +515,8 @@ def test_lesson10_reset_releases_host_memory(cpu_pool: HostPool) -> None:
         loss.backward()
 
 
-def test_lesson10_unpacking_a_dropped_tensor_raises_clearly() -> None:
-    """Lesson 10: backward through a graph whose step raised is an explicit RuntimeError, not a read of reused
+def test_unpacking_a_dropped_tensor_raises_clearly() -> None:
+    """Backward through a graph whose step raised is an explicit RuntimeError, not a read of reused
     memory."""
     engine = make_engine()
     x = torch.randn(32, 32, requires_grad=True)
@@ -528,8 +528,8 @@ def test_lesson10_unpacking_a_dropped_tensor_raises_clearly() -> None:
         partial[0].sum().backward()
 
 
-def test_lesson10_engine_works_after_a_failed_step() -> None:
-    """Lesson 10: after a step raised, the same engine runs the next step with reference grads and steady pool."""
+def test_engine_works_after_a_failed_step() -> None:
+    """After a step raised, the same engine runs the next step with reference grads and steady pool."""
     case = CASES[0]
     model = build(case)
     batch = case.make_batch()
@@ -544,8 +544,8 @@ def test_lesson10_engine_works_after_a_failed_step() -> None:
     assert engine.stats.offloaded_bytes > 0
 
 
-def test_lesson10_exception_keeps_an_earlier_windows_graph() -> None:
-    """Lesson 9+10: a window that raised drops only its own state; a graph saved by an earlier, successful window
+def test_exception_keeps_an_earlier_windows_graph() -> None:
+    """A window that raised drops only its own state; a graph saved by an earlier, successful window
     (gradient accumulation across windows) still backpropagates to the reference grads."""
     x = torch.randn(32, 32, requires_grad=True)
     torch.tanh(torch.tanh(x * 1.0)).sum().backward()
@@ -561,7 +561,7 @@ def test_lesson10_exception_keeps_an_earlier_windows_graph() -> None:
     assert torch.equal(x.grad, expected)
 
 
-# ---------------------------------------------------------------------------------------------- lesson 13
+# -------------------------------------------------------------------------------------- storage identity, not addresses
 
 
 class SaveInput(torch.autograd.Function):
@@ -578,8 +578,8 @@ class SaveInput(torch.autograd.Function):
         return grad * a
 
 
-def test_lesson13_freed_address_reused_by_a_new_tensor() -> None:
-    """Lesson 13: a saved tensor whose memory is freed (only its offloaded copy remains) and a new tensor allocated
+def test_freed_address_reused_by_a_new_tensor() -> None:
+    """A saved tensor whose memory is freed (only its offloaded copy remains) and a new tensor allocated
     at possibly the same address are two storages: each gets its own copy and its own values back."""
     x = torch.randn(1024, requires_grad=True)
     engine = make_engine()
@@ -601,8 +601,8 @@ def test_lesson13_freed_address_reused_by_a_new_tensor() -> None:
     assert torch.equal(got, x.grad)
 
 
-def test_lesson13_storage_identity_reused_after_graph_freed() -> None:
-    """Lesson 13: within one window, graphs are dropped until a new storage reuses the identity (StorageWeakRef key)
+def test_storage_identity_reused_after_graph_freed() -> None:
+    """Within one window, graphs are dropped until a new storage reuses the identity (StorageWeakRef key)
     of one saved before; the new tensor must still get its own copy with its own values."""
     x = torch.randn(256, requires_grad=True)
     engine = make_engine()
@@ -627,12 +627,12 @@ def test_lesson13_storage_identity_reused_after_graph_freed() -> None:
     assert torch.equal(got, x.grad)
 
 
-# ---------------------------------------------------------------------------------------------- lesson 14
+# --------------------------------------------------------------------------------------------- activation checkpointing
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson14_checkpointed_region_only_its_inputs_reach_us(mode: str) -> None:
-    """Lesson 14: inside a non-reentrant checkpoint the checkpoint's hooks win; only the region's input reaches the
+def test_checkpointed_region_only_its_inputs_reach_us(mode: str) -> None:
+    """Inside a non-reentrant checkpoint the checkpoint's hooks win; only the region's input reaches the
     engine, so the offloaded bytes equal that input's bytes (and grads stay exact)."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32))
@@ -661,8 +661,8 @@ def test_lesson14_checkpointed_region_only_its_inputs_reach_us(mode: str) -> Non
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson14_checkpoint_model_grads(mode: str) -> None:
-    """Lesson 14: a model mixing plain layers with a checkpointed block offloads the region input and the plain
+def test_checkpoint_model_grads(mode: str) -> None:
+    """A model mixing plain layers with a checkpointed block offloads the region input and the plain
     layers' activations, and its grads are exact."""
     model = CheckpointModel()
     batch = torch.randn(8, 32)
@@ -673,12 +673,12 @@ def test_lesson14_checkpoint_model_grads(mode: str) -> None:
     assert engine.stats.offloaded_bytes == 4 * 8 * 32 * 4
 
 
-# ---------------------------------------------------------------------------------------------- lesson 16
+# ---------------------------------------------------------------------------------------- tensors saved during backward
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson16_double_backward_saves_stay_resident(mode: str) -> None:
-    """Lesson 16: tensors saved while backward runs (``autograd.grad(create_graph=True)``) reach the hooks but are
+def test_double_backward_saves_stay_resident(mode: str) -> None:
+    """Tensors saved while backward runs (``autograd.grad(create_graph=True)``) reach the hooks but are
     not offloaded; the second-order grads equal the reference."""
     torch.manual_seed(0)
     w = torch.randn(16, 16, requires_grad=True)
@@ -702,8 +702,8 @@ def test_lesson16_double_backward_saves_stay_resident(mode: str) -> None:
     assert torch.equal(second_order(make_engine(mode=mode)), expected)
 
 
-def test_lesson16_reentrant_checkpoint_recompute_not_offloaded() -> None:
-    """Lesson 16: a reentrant checkpoint recomputes its region during backward; with backward inside the block those
+def test_reentrant_checkpoint_recompute_not_offloaded() -> None:
+    """A reentrant checkpoint recomputes its region during backward; with backward inside the block those
     saves reach the engine and stay on the device. Only the region input (saved in forward) is offloaded."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
@@ -727,7 +727,7 @@ def test_lesson16_reentrant_checkpoint_recompute_not_offloaded() -> None:
     assert_same_grads(run(make_engine()), expected)
 
 
-# ---------------------------------------------------------------------------------------------- lesson 15
+# -------------------------------------------------------------------------------------------------------- torch.compile
 
 
 def _compiled_grads(
@@ -758,28 +758,28 @@ def _check_compiled(backend: str) -> None:
     torch._dynamo.reset()
 
 
-def test_lesson15_compiled_module_aot_eager() -> None:
-    """Lesson 15: a module compiled with AOTAutograd (aot_eager backend) runs the hooks on its saved tensors at run
+def test_compiled_module_aot_eager() -> None:
+    """A module compiled with AOTAutograd (aot_eager backend) runs the hooks on its saved tensors at run
     time; grads with offloading equal the compiled grads without it, bit for bit."""
     _check_compiled("aot_eager")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
-def test_lesson15_compiled_module_inductor() -> None:
-    """Lesson 15: the same with the inductor backend (generated C++ kernels; slow on a cold cache)."""
+def test_compiled_module_inductor() -> None:
+    """The same with the inductor backend (generated C++ kernels; slow on a cold cache)."""
     _check_compiled("inductor")
 
 
-# ---------------------------------------------------------------------------------------------- lesson 12
+# ------------------------------------------------------------------------------------------------- host memory runs out
 
 
 def _chain_loss(x: torch.Tensor, n: int = 10) -> torch.Tensor:
     return tanh_chain(x, n)[-1].sum()
 
 
-def test_lesson12_host_full_error_names_the_limit(cpu_pool: HostPool) -> None:
-    """Lesson 12: with ``on_host_full="error"`` a full pool raises HostMemoryFull naming host_memory_limit and the
+def test_host_full_error_names_the_limit(cpu_pool: HostPool) -> None:
+    """With ``on_host_full="error"`` a full pool raises HostMemoryFull naming host_memory_limit and the
     numbers; the failed window leaves no hooks and no held buffers."""
     held = cpu_pool.in_use_bytes
     limit = cpu_pool.reserved_bytes + (64 << 10)  # room for exactly one smallest-class buffer
@@ -795,8 +795,8 @@ def test_lesson12_host_full_error_names_the_limit(cpu_pool: HostPool) -> None:
     assert cpu_pool.in_use_bytes == held
 
 
-def test_lesson12_host_full_message_shows_small_numbers() -> None:
-    """Lesson 12: the HostMemoryFull message renders its numbers readably at any scale (a 1 MiB limit must not read
+def test_host_full_message_shows_small_numbers() -> None:
+    """The HostMemoryFull message renders its numbers readably at any scale (a 1 MiB limit must not read
     as 0.00)."""
     err = HostMemoryFull(needed=128 << 10, held=1 << 20, limit=1 << 20, available=8 << 30)
     match = re.search(r"host_memory_limit=([0-9.]+)", str(err))
@@ -805,8 +805,8 @@ def test_lesson12_host_full_message_shows_small_numbers() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lesson12_host_full_warns_once_and_keeps_tensors(cpu_pool: HostPool, mode: str) -> None:
-    """Lesson 12: with ``on_host_full="warn"`` exactly one RuntimeWarning is emitted however many tensors do not
+def test_host_full_warns_once_and_keeps_tensors(cpu_pool: HostPool, mode: str) -> None:
+    """With ``on_host_full="warn"`` exactly one RuntimeWarning is emitted however many tensors do not
     fit; those stay resident (``resident_bytes > 0``) and grads are exact."""
     x = torch.randn(64, 64, requires_grad=True)
     _chain_loss(x).backward()
@@ -821,12 +821,14 @@ def test_lesson12_host_full_warns_once_and_keeps_tensors(cpu_pool: HostPool, mod
         loss.backward()
     host_full = [w for w in caught if issubclass(w.category, RuntimeWarning) and "host_memory_limit" in str(w.message)]
     assert len(host_full) == 1
+    message = str(host_full[0].message)
+    assert "stay on the device" in message and "pass on_host_full='warn'" not in message  # the CPU: "device"
     assert engine.stats.offloaded_bytes == 3 * 64 * 64 * 4
     assert engine.stats.resident_bytes == 7 * 64 * 64 * 4
     assert torch.equal(x.grad, expected)
 
 
-# ---------------------------------------------------------------------------------------------- engine lifecycle
+# ----------------------------------------------------------------------------------------------------- engine lifecycle
 
 
 def test_engine_cannot_be_entered_twice_at_once() -> None:
@@ -879,8 +881,8 @@ def test_off_mode_counts_what_sync_would_offload() -> None:
     assert counts["off"] == counts["sync"]
 
 
-def test_lesson4_view_that_outlives_its_backward_keeps_its_values() -> None:
-    """Lesson 4: a restored tensor may be aliased by a view that outlives its backward node; later steps reuse the
+def test_view_that_outlives_its_backward_keeps_its_values() -> None:
+    """A restored tensor may be aliased by a view that outlives its backward node; later steps reuse the
     host buffers, and the escaped view must keep its values (the engine never frees or reuses what it handed out)."""
     escaped: list[torch.Tensor] = []
 
