@@ -41,10 +41,11 @@ CPU_SIZES = {"dim": 64, "layers": 2, "heads": 4, "seq_len": 128, "batch_size": 4
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch, synchronizing the device around it (for the comparison only)."""
+    """Wall time and loss of every training batch, synchronizing the device around it (for the comparison only)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.losses: list[float] = []
         self._start = 0.0
 
     @override
@@ -58,6 +59,7 @@ class StepTimer(pl.Callback):
     ) -> None:
         _sync(pl_module.device)
         self.times.append(time.perf_counter() - self._start)
+        self.losses.append(float(outputs["loss"]))
 
     def median(self, warmup: int) -> float:
         times = self.times[warmup:] or self.times
@@ -86,8 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(
     args: argparse.Namespace, sizes: dict[str, int], steps: int, gpu: bool, offload: bool
-) -> tuple[dict[str, float], float]:
-    """One fit; returns the callback's epoch summaries and the median step time."""
+) -> tuple[dict[str, float], StepTimer]:
+    """One fit; returns the callback's epoch summaries and the per-step times and losses."""
     pl.seed_everything(0, verbose=False)
     model = DemoTransformer(
         vocab_size=sizes["vocab_size"],
@@ -128,7 +130,7 @@ def run(
     summaries = {key: float(value) for key, value in trainer.callback_metrics.items() if key.startswith("offload/")}
     if callback._picture is not None and callback._picture.path is not None:
         print(f"memory picture: {callback._picture.path}")
-    return summaries, timer.median(warmup=2)
+    return summaries, timer
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -149,9 +151,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     )
     del probe
     results: dict[str, dict[str, float]] = {}
-    times: dict[str, float] = {}
+    timers: dict[str, StepTimer] = {}
     for label, offload in (("without offloading", False), (f"offloading ({args.mode})", True)):
-        results[label], times[label] = run(args, sizes, steps, gpu, offload)
+        results[label], timers[label] = run(args, sizes, steps, gpu, offload)
+    times = {label: timer.median(warmup=2) for label, timer in timers.items()}
     print()
     if gpu:
         print(f"{'':24s} {'peak allocated':>15s} {'step time':>10s} {'offloaded/step':>15s}")
@@ -167,7 +170,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         for label, summary in results.items():
             offloaded = summary.get("offload/offloaded_gib_epoch_mean", 0.0)
             print(f"{label:24s} offloaded {offloaded:.4f} GiB per step, step time {times[label]:.3f} s")
+    print_losses(timers)
     return results
+
+
+def print_losses(timers: dict[str, StepTimer]) -> None:
+    """The two runs' losses per step, side by side: offloading must not change a single step."""
+    (plain_label, plain), (off_label, off) = timers.items()
+    print(f"\n{'step':>4s} {'loss ' + plain_label:>28s} {'loss ' + off_label:>28s}")
+    for step, (a, b) in enumerate(zip(plain.losses, off.losses, strict=True)):
+        print(f"{step:4d} {a:28.6f} {b:28.6f}")
+    same = [f"{a:.6f}" for a in plain.losses] == [f"{b:.6f}" for b in off.losses]
+    print(f"losses equal to the printed precision: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

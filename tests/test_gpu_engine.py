@@ -201,7 +201,7 @@ def test_stall_measured_and_retain_graph() -> None:
 def test_allocator_reuse_cannot_corrupt_copies_in_flight() -> None:
     """A source whose copy out is in flight, and a buffer a copy back writes into, are never handed
     to new tensors early. Forward and backward each run while other work churns the allocator with garbage fills;
-    the gradients still equal the plain ones. (Added after the session's last H200 run: not yet run there.)"""
+    the gradients still equal the plain ones."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=6).cuda()
     tokens = torch.randint(0, 4096, (4, 1024), device="cuda")
@@ -220,12 +220,41 @@ def test_allocator_reuse_cannot_corrupt_copies_in_flight() -> None:
 
 def test_copy_streams_created_once_per_device_and_process() -> None:
     """The copy streams are created once per device and process, not per engine or step."""
-    from lightning_offload.streams import copy_streams
+    from lightning_offload.streams import CudaStreams
 
-    first = copy_streams(torch.device("cuda"))
+    first = CudaStreams(torch.device("cuda"))
     for _ in range(3):
         engine = offload_activations(**EVERYTHING)
         with engine:
             pass
-    assert copy_streams(torch.device("cuda")) == first
-    assert copy_streams(torch.device("cuda", torch.cuda.current_device())) == first
+    again = CudaStreams(torch.device("cuda", torch.cuda.current_device()))
+    assert (again.d2h, again.h2d) == (first.d2h, first.h2d)
+
+
+@pytest.mark.parametrize("mode", ["sync", "streamed"])
+@pytest.mark.parametrize("tail", [0, 1 << 30])
+def test_inplace_change_right_after_the_block_raises_or_is_exact(mode: str, tail: int) -> None:
+    """The race of a copy still reading its source when compute writes it: 8192 x 8192 fp32 saved tensors changed
+    in place right after the block. Plain autograd raises; the engine raises too, or gives the exact gradient of the
+    unchanged values: never a silently wrong one."""
+    torch.manual_seed(0)
+    x = torch.randn(8192, 8192, device="cuda", requires_grad=True)
+    a = x.sigmoid()
+    (a * a.exp()).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    engine = offload_activations(mode=mode, min_tensor_bytes=0, resident_tail_bytes=tail)
+    for _ in range(3):
+        x.grad = None
+        with engine:
+            a = x.sigmoid()
+            b = a.exp()
+            loss = (a * b).sum()
+        a.mul_(2)
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            assert "modified by an inplace operation" in str(err)
+        else:
+            assert torch.equal(x.grad, expected), "backward silently used an in-place-modified saved tensor"
+    torch.cuda.synchronize()
