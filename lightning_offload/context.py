@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -12,10 +13,11 @@ from lightning_offload.options import OffloadOptions
 
 def offload_activations(
     mode: str = "streamed",
+    memory_budget: int | str | None = "auto",
     compute_device: str | torch.device | None = None,
     min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
     resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
-    max_offload_bytes: int | str | None = None,
+    max_offload_bytes: int | None = None,
     max_inflight_bytes: int | None = None,
     prefetch_bytes: int = OffloadOptions.prefetch_bytes,
     host_memory_limit: int | None = None,
@@ -29,7 +31,7 @@ def offload_activations(
 
     Example::
 
-        off = offload_activations(model=model)  # create once: the pinned pool and streams are reused
+        off = offload_activations(model=model, memory_budget="40GiB")  # create once: pool and streams are reused
         for x in batches:
             with off:
                 loss = model(x).sum()
@@ -37,14 +39,15 @@ def offload_activations(
             print(off.stats.offloaded_bytes)
 
     Args:
-        mode, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes, max_inflight_bytes,
-            prefetch_bytes, host_memory_limit, on_host_full, measure_copies: see
+        mode, memory_budget, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes,
+            max_inflight_bytes, prefetch_bytes, host_memory_limit, on_host_full, measure_copies: see
             :class:`~lightning_offload.options.OffloadOptions`, where every option is documented.
         model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts are
             recognised without it; buffers only with it.
         checkpoint: also checkpoint ``model``'s repeated blocks (non-reentrant) so only each block's input is saved
             and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a module
-            name, or a list of those. ``None``: no checkpointing. Applied once, here.
+            name, or a list of those. ``None``: no checkpointing. Applied once, here; a manual override that switches
+            the memory-budget planner off.
         local_processes: processes on this machine sharing its RAM (each has its own pool); the default
             ``host_memory_limit`` is split between them. ``None``: ``LOCAL_WORLD_SIZE``, else 1.
 
@@ -64,4 +67,5 @@ def offload_activations(
         from lightning_offload.checkpointing import apply_checkpointing
 
         apply_checkpointing(model, checkpoint)
+        options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes)

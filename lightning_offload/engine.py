@@ -22,19 +22,18 @@ Torch only: no Lightning import, so plain training loops can use it as a context
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from types import TracebackType
 from typing import Any
 
-import psutil
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
+from lightning_offload.budget import BudgetPlanner, DeviceMemory, plan_step
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
-from lightning_offload.host_pool import pool_for
+from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
 from lightning_offload.outbound import OutboundQueue
@@ -42,10 +41,6 @@ from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
 from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer, producer_stream
-
-# The default host limit takes this share of the RAM available when the engine first copies, split between the
-# processes of this machine (each rank has its own pool).
-_DEFAULT_HOST_SHARE = 0.8
 
 
 class OffloadEngine:
@@ -60,6 +55,8 @@ class OffloadEngine:
         local_processes: processes on this machine, each with its own pool: the default host limit is split between
             them. ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).
         streams: the stream backend for ``mode="streamed"``; ``None``: CUDA streams on CUDA, simulated on the CPU.
+        memory: the device's allocator counters for the memory-budget planner (``None``: CUDA's; without CUDA
+            and without this, no planning). Tests pass a fake.
     """
 
     def __init__(
@@ -68,6 +65,7 @@ class OffloadEngine:
         model: torch.nn.Module | None = None,
         local_processes: int | None = None,
         streams: StreamBackend | None = None,
+        memory: Any = None,
     ) -> None:
         self.options = options
         self.local_processes = local_processes
@@ -75,12 +73,16 @@ class OffloadEngine:
         self._params = policy.ParameterStorages()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._streams = streams
+        self._memory = memory
+        self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
+        self._watermark: int | None = None
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
         self._transfer: Transfer = SyncTransfer()
         self._outbound: OutboundQueue | None = None
         self._inbound: InboundQueue | None = None
         self._stats = OffloadStats()
+        self._allocations_at_start = 0
         self._host_limit: int | None = None
         self._log = SaveLog()
         self._counted: list[StorageCopy] = []  # mode="off": what the open forward would offload (kept for dedup)
@@ -102,10 +104,18 @@ class OffloadEngine:
         if self._device is None:
             self._resolve_device()
         self._transfer.collect(self._stats, wait=False)  # leftovers of older steps; never a host sync here
+        plan_limit = None
+        if self.planner is not None:
+            plan_limit, self._watermark = plan_step(
+                self.planner, self._transfer, self._outbound, self._stats, lambda: self._log.position
+            )
         self._stats = OffloadStats()
         self._allocations_at_start = self._pool.allocations
-        self.refresh_parameters()
         self._log.start_step()
+        if plan_limit == 0:
+            return  # the plan keeps everything: no hooks, no cost
+        self.refresh_parameters()
+        self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._hooks = hooks
@@ -176,6 +186,15 @@ class OffloadEngine:
             self._transfer = StreamedTransfer(streams, self.options.measure_copies)
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
+        memory = self._memory if self._memory is not None else (DeviceMemory(device) if device.type == "cuda" else None)
+        if self.options.plans and memory is not None and isinstance(self._transfer, StreamedTransfer):
+            model = self._model_ref() if self._model_ref is not None else None
+            self.planner = BudgetPlanner(self.options.budget_bytes(), memory, model)
+
+    def replan(self) -> None:
+        """Measure a step again before planning (call it when the input's shape changes)."""
+        if self.planner is not None:
+            self.planner.replan()
 
     @property
     def stats(self) -> OffloadStats:
@@ -196,12 +215,7 @@ class OffloadEngine:
     def host_limit(self) -> int:
         """Bytes the host pool may hold: ``host_memory_limit``, or a share of the RAM available at first use."""
         if self._host_limit is None:
-            limit = self.options.host_memory_limit
-            if limit is None:
-                ranks = max(1, self.local_processes or _env_int("LOCAL_WORLD_SIZE", 1))
-                available = psutil.virtual_memory().available
-                limit = self._pool.reserved_bytes + int(available * _DEFAULT_HOST_SHARE / ranks)
-            self._host_limit = limit
+            self._host_limit = host_limit(self.options.host_memory_limit, self._pool, self.local_processes)
         return self._host_limit
 
     # ------------------------------------------------------------------ the hooks
@@ -217,8 +231,11 @@ class OffloadEngine:
         assert outbound is not None
         if not log.forward_open:
             log.forward_open = True
-            outbound.start_forward(log.previous_forward)
+            outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
+        if self._watermark is not None and self.planner.memory.allocated() > self._watermark:  # type: ignore[union-attr]
+            self._watermark = None
+            outbound.tail = 0  # the measuring step nears the budget: everything saved so far may leave now
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)
         off = self.options.mode == "off"
@@ -294,10 +311,3 @@ def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     the garbage collector never frees. The version check is autograd's own, which hooks switch off.
     """
     return tensor.detach(), tensor._version
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default

@@ -7,6 +7,7 @@ the next user makes its copy stream wait on that event (a device-side wait, neve
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -213,3 +214,22 @@ def release_host_memory() -> int:
             pool.clear()
             released += before - pool.reserved_bytes
     return released
+
+
+# The default host limit takes this share of the RAM available when the engine first copies, split between the
+# processes of this machine (each rank has its own pool).
+_DEFAULT_HOST_SHARE = 0.8
+
+
+def host_limit(configured: int | None, pool: HostPool, local_processes: int | None) -> int:
+    """Bytes ``pool`` may hold: ``configured``, or a share of the RAM available now split between the processes.
+
+    ``local_processes`` ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).
+    """
+    if configured is not None:
+        return configured
+    try:
+        ranks = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    except ValueError:
+        ranks = 1
+    return pool.reserved_bytes + int(psutil.virtual_memory().available * _DEFAULT_HOST_SHARE / max(1, ranks))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
@@ -34,18 +35,68 @@ DEFAULT_MAX_INFLIGHT_BYTES = 512 * MiB
 
 @dataclass(frozen=True)
 class OffloadOptions:
-    """Validated offloading options. See :func:`lightning_offload.offload_activations` for their meaning."""
+    """Validated offloading options: the one place where every option is documented.
+
+    :func:`~lightning_offload.offload_activations` and :class:`~lightning_offload.ActivationOffloadCallback` take
+    these (and a few of their own); invalid values raise at construction, naming the argument and what is allowed.
+
+    Attributes:
+        mode: ``"streamed"`` overlaps copies with compute on two copy streams and prefetches in backward;
+            ``"sync"`` copies on the compute stream when a tensor is saved and when backward needs it (simple, for
+            debugging); ``"off"`` offloads nothing and only counts what would be offloaded.
+        memory_budget: the most device memory a training step may use, in bytes or as a string such as
+            ``"40GiB"``; a planner measures the first step and then runs each step on the cheapest plan that stays
+            within it: keep what fits (the hooks are not even installed), offload the earliest tensors (their
+            copies hide behind compute), checkpoint the fewest repeated blocks needed, offload everything last.
+            ``"auto"``: the device's memory less a margin, so a model that fits pays nothing and one that does not
+            is made to fit. ``None``: no planning; offload every eligible tensor (within ``max_offload_bytes``).
+            Planning needs ``mode="streamed"`` and a CUDA device; ``max_offload_bytes`` or ``checkpoint=`` given
+            by hand switch it off (they are the manual overrides).
+        compute_device: the device whose tensors are offloaded. ``None``: the current CUDA device (for the callback:
+            the module's device). ``"cpu"`` treats CPU tensors as offloadable (copied to separate host buffers, on
+            simulated copy streams in ``"streamed"`` mode) so the bookkeeping runs without a GPU.
+        min_tensor_bytes: storage spans smaller than this stay on the device (default 1 MiB: smaller copies are
+            dominated by fixed costs and free almost nothing).
+        resident_tail_bytes: a tensor leaves the device only once this many bytes were saved after it in the same
+            forward, so the last tensors of forward (logits, loss), needed first by backward, stay.
+        max_offload_bytes: offload at most the first this-many bytes of each forward (the earliest tensors hide
+            their copies best); the rest stays on the device. ``None``: no limit. The manual knob that trades memory
+            for time: about ``link bandwidth x forward time`` bytes move for free.
+        max_inflight_bytes: device -> host copies may lag forward by this many bytes; beyond it the compute stream
+            waits for the oldest copy (a device-side wait), so memory held by copies in flight stays bounded.
+            ``None``: 512 MiB when everything eligible is offloaded; with a byte limit (``max_offload_bytes`` or a
+            plan) the link model decides when each source is let go.
+        prefetch_bytes: the most bytes fetched back ahead of backward and not yet used (device memory that
+            prefetching may hold). When each copy starts comes from a model of the link: forward's measured pace
+            against the link's bandwidth, chained in the order backward needs the copies.
+        host_memory_limit: the most host memory the pool may hold, in bytes (at least one buffer for a tensor of
+            ``min_tensor_bytes``). ``None``: 80% of the RAM available at first use, divided by the processes on
+            this machine.
+        on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors on
+            the device and warns once; ``"error"`` raises :class:`~lightning_offload.HostMemoryFull`.
+        measure_copies: time every copy (``stats.d2h_ms``/``h2d_ms``); costs two events per copy.
+    """
 
     mode: Mode = "streamed"
+    memory_budget: int | str | None = "auto"
     compute_device: torch.device | None = None
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES
-    max_offload_bytes: int | Literal["auto"] | None = None
+    max_offload_bytes: int | None = None
     max_inflight_bytes: int | None = None
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     host_memory_limit: int | None = None
     on_host_full: OnHostFull = "warn"
     measure_copies: bool = False
+
+    @property
+    def plans(self) -> bool:
+        """Whether a memory-budget planner decides what each step offloads and checkpoints."""
+        return self.mode == "streamed" and self.memory_budget is not None and self.max_offload_bytes is None
+
+    def budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (``None`` for ``"auto"``: the device decides, and without planning)."""
+        return self.memory_budget if isinstance(self.memory_budget, int) else None
 
     @classmethod
     def create(cls, caller: str, **kwargs: Any) -> OffloadOptions:
@@ -66,9 +117,14 @@ class OffloadOptions:
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=False)
         if kwargs.get("max_offload_bytes") == "auto":
-            pass  # offload what the link hides behind forward: measured, see CopySchedule
-        elif "max_offload_bytes" in kwargs:
-            _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True, auto=True)
+            raise ValueError(
+                f"{caller}(max_offload_bytes='auto'): 'auto' was retired (it offloaded far more than hides); pass "
+                "memory_budget= (bytes or a string such as '40GiB') to let the planner choose, or a byte count"
+            )
+        if "max_offload_bytes" in kwargs:
+            _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True)
+        if "memory_budget" in kwargs:
+            kwargs["memory_budget"] = parse_budget(caller, kwargs["memory_budget"])
         for name in ("max_inflight_bytes", "host_memory_limit"):
             if name in kwargs:
                 _check_bytes(caller, name, kwargs[name], allow_none=True)
@@ -93,12 +149,33 @@ class OffloadOptions:
         return None
 
 
-def _check_bytes(caller: str, name: str, value: Any, allow_none: bool, auto: bool = False) -> None:
+def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        allowed = "a byte count >= 0" + (", 'auto'" if auto else "") + (" or None" if allow_none else "")
+        allowed = "a byte count >= 0" + (" or None" if allow_none else "")
         raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20})
+_UNITS.update({"g": 1 << 30, "t": 1 << 40})
+
+
+def parse_budget(caller: str, value: Any) -> int | str | None:
+    """``memory_budget`` as bytes, ``"auto"`` or ``None``; strings such as ``"40GiB"``, ``"512 MiB"``, ``"80GB"``."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(
+        f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, a byte count > 0 or a size such "
+        "as '40GiB', '512MiB' or '80GB'"
+    )
 
 
 def _host_limit_floor(min_tensor_bytes: int) -> int:

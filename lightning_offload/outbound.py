@@ -50,12 +50,14 @@ class OutboundQueue:
     def __init__(
         self, options: OffloadOptions, transfer: Transfer, pool: HostPool, host_limit: Callable[[], int]
     ) -> None:
-        self.tail = options.resident_tail_bytes
+        self.tail = self.default_tail = options.resident_tail_bytes
+        self.prefetch_cap = options.prefetch_bytes
         cap = options.max_inflight_bytes
         if cap is None and options.max_offload_bytes is None:
             cap = DEFAULT_MAX_INFLIGHT_BYTES
         self.inflight_cap = cap
         self.limit: int | None = None  # the most bytes of the open forward that may leave
+        self.planned_limit: int | None = None  # the limit the memory-budget plan set for this step
         self._options = options
         self._transfer = transfer
         self._pool = pool
@@ -71,15 +73,9 @@ class OutboundQueue:
         transfer = self._transfer
         return transfer.link.ratio if isinstance(transfer, StreamedTransfer) else None
 
-    def start_forward(self, previous_forward: int | None) -> None:
-        """A forward starts saving: fix how many of its bytes may leave."""
-        limit = self._options.max_offload_bytes
-        if limit == "auto":
-            # What the link moves while forward runs: bandwidth x forward time = forward's bytes / (pace / link's).
-            ratio = self.link_ratio
-            # Until measured (first forward), offload everything: memory first.
-            limit = None if ratio is None or previous_forward is None else int(previous_forward / ratio)
-        self.limit = limit
+    def start_forward(self, planned_limit: int | None) -> None:
+        """A forward starts saving: fix how many of its bytes may leave (a plan's limit, else the option's)."""
+        self.limit = planned_limit if planned_limit is not None else self._options.max_offload_bytes
 
     def end_forward(self, stats: OffloadStats) -> list[weakref.ref[StorageCopy]]:
         """The open forward ended: what is still pending stays on the device. Returns its offloaded copies."""

@@ -17,6 +17,7 @@ device-side wait (free when the copy is done). These positions are what the mode
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # Wait a little later than the model says: a wait that comes too early stalls compute, one too late only holds
 # memory a moment longer.
@@ -97,3 +98,112 @@ def plan_prefetch(
         latest_start = finish + nbytes * lead
         plan.append(max(latest_start, end + floor))
     return plan
+
+
+# ---------------------------------------------------------------------------------------------- the memory budget
+
+# The share of forward (and of backward, twice as long) behind which copies are assumed to hide: the rest of a
+# transfer shows as step time. Below 1 because copies share memory bandwidth and start only once tensors exist.
+HIDDEN_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One measured training step, in bytes and milliseconds: what the budget planner plans from.
+
+    Attributes:
+        peak: peak allocated device memory of the step.
+        resident: eligible saved bytes that stayed on the device in that step (not offloaded).
+        eligible: eligible saved bytes of one step with no block checkpointed.
+        forward_ms: device time of forward.
+        link_bytes_per_ms: the link's bandwidth, one direction.
+        blocks: checkpointable blocks (the model's repeated layers; 0 when none were found).
+        block_bytes: eligible bytes one block saves, on average.
+        block_input_bytes: the bytes a checkpointed block saves instead (its input).
+        offload_overhead: device bytes offloading holds for itself (copies in flight and fetched ahead).
+        tail: eligible bytes at the end of each forward that never leave (``resident_tail_bytes``).
+    """
+
+    peak: int
+    resident: int
+    eligible: int
+    forward_ms: float
+    link_bytes_per_ms: float
+    blocks: int = 0
+    block_bytes: int = 0
+    block_input_bytes: int = 0
+    offload_overhead: int = 0
+    tail: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one step runs: what leaves the device, which blocks are checkpointed, and what that should cost.
+
+    Attributes:
+        offload_bytes: the first this-many eligible bytes of each forward leave the device (0: the hooks are not
+            even installed, so the step costs nothing).
+        checkpoint_blocks: how many of the last blocks run under activation checkpointing.
+        peak: the predicted peak allocated bytes.
+        extra_ms: the predicted step time over keeping everything (recompute plus copies that do not hide).
+        fits: whether ``peak`` is within the budget.
+    """
+
+    offload_bytes: int
+    checkpoint_blocks: int
+    peak: int
+    extra_ms: float
+    fits: bool
+
+    def describe(self, budget: int) -> str:
+        gib = float(1 << 30)
+        what = []
+        if self.checkpoint_blocks:
+            what.append(f"checkpoint {self.checkpoint_blocks} block(s)")
+        what.append(
+            f"offload {self.offload_bytes / gib:.2f} GiB per forward" if self.offload_bytes else "offload nothing"
+        )
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"{', '.join(what)}: predicted peak {self.peak / gib:.2f} GiB {verdict} the budget of "
+            f"{budget / gib:.2f} GiB, predicted cost {self.extra_ms:.1f} ms per step"
+        )
+
+
+def copy_cost_ms(nbytes: int, forward_ms: float, link_bytes_per_ms: float) -> float:
+    """Step time that offloading ``nbytes`` adds: each way, the part of the transfer that compute cannot hide."""
+    if nbytes <= 0:
+        return 0.0
+    transfer = nbytes / link_bytes_per_ms
+    return max(0.0, transfer - HIDDEN_SHARE * forward_ms) + max(0.0, transfer - HIDDEN_SHARE * 2 * forward_ms)
+
+
+def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
+    """The cheapest plan whose predicted peak stays within ``budget``; the most frugal one if none does.
+
+    The peak of the measured step, less the activations it kept, is what the peak holds besides activations (weights,
+    gradients, optimizer state, the loss's transient). Each plan keeps ``eligible(k) - offloaded`` bytes of
+    activations on top of that, where checkpointing ``k`` blocks shrinks what is saved to their inputs. For every
+    ``k`` the least offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
+    nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
+    """
+    fixed = profile.peak - profile.resident
+    per_block_ms = profile.forward_ms / profile.blocks if profile.blocks else 0.0
+    saved_per_block = max(0, profile.block_bytes - profile.block_input_bytes)
+    candidates = []
+    for k in range(profile.blocks + 1):
+        eligible = max(0, profile.eligible - k * saved_per_block)
+        room = budget - fixed  # activation bytes that may stay
+        movable = max(0, eligible - profile.tail)
+        need = min(movable, max(0, eligible - room))
+        peak = fixed + eligible - need + (min(need, profile.offload_overhead) if need else 0)
+        if need and peak > budget:  # the overhead itself: offload that much more, if there is more to offload
+            extra = min(movable - need, peak - budget)
+            need += extra
+            peak -= extra
+        cost = k * per_block_ms + copy_cost_ms(need, profile.forward_ms, profile.link_bytes_per_ms)
+        candidates.append(Plan(need, k, peak, cost, peak <= budget))
+    fitting = [p for p in candidates if p.fits]
+    if fitting:
+        return min(fitting, key=lambda p: (p.extra_ms, p.peak))
+    return min(candidates, key=lambda p: (p.peak, p.extra_ms))

@@ -156,7 +156,8 @@ class SimulatedStreams:
     The compute stream is the host itself (its work is done when queued). Copy-stream operations wait in a queue
     and run when something waits for them, or once more than ``lag`` operations are queued behind them on the same
     stream (``lag=None``: only when waited for). A copy advances a simulated clock by its bytes over
-    ``bytes_per_ms``; :meth:`advance` moves it for simulated compute.
+    ``bytes_per_ms`` (unless ``copies_take_time=False``: a link that runs beside compute); :meth:`advance` moves it
+    for simulated compute.
 
     Attributes:
         log: ``(stream name, bytes)`` of every copy, in the order the copies ran.
@@ -165,9 +166,12 @@ class SimulatedStreams:
 
     compute = None  # the compute stream: the host
 
-    def __init__(self, lag: int | None = 4, bytes_per_ms: float = float(1 << 20)) -> None:
+    def __init__(
+        self, lag: int | None = 4, bytes_per_ms: float = float(1 << 20), copies_take_time: bool = True
+    ) -> None:
         self.lag = lag
         self.bytes_per_ms = bytes_per_ms
+        self.copies_take_time = copies_take_time
         self.clock_ms = 0.0
         self.d2h = SimulatedStream(self, "d2h")
         self.h2d = SimulatedStream(self, "h2d")
@@ -216,7 +220,8 @@ class SimulatedStreams:
         def run() -> None:
             dst.copy_(src)  # reads the source now, as the device would: a write queued before this lands in it
             queued[stream.name] -= nbytes
-            self.clock_ms += nbytes / self.bytes_per_ms
+            if self.copies_take_time:
+                self.clock_ms += nbytes / self.bytes_per_ms
             self.log.append((stream.name, nbytes))
 
         stream.push(run)

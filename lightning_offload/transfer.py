@@ -71,7 +71,8 @@ class StreamedTransfer:
         self.streams = streams
         self.link = LinkModel()
         self._measure = measure_copies
-        self._link_rate = streams.link_bytes_per_ms()
+        self.link_rate = streams.link_bytes_per_ms()
+        self.last_forward_ms = 0.0  # device time of the latest forward that was timed
         self._stall = TimingEvents(streams)
         self._d2h_timer = TimingEvents(streams)
         self._h2d_timer = TimingEvents(streams)
@@ -139,12 +140,20 @@ class StreamedTransfer:
         if begin is not None and saved_bytes:
             self._forward = (begin, self.streams.record(self.streams.current(), timing=True), saved_bytes)
 
+    def forward_ms(self) -> float:
+        """Device time of the latest timed forward, waiting for its end if needed (a host sync: use rarely)."""
+        if self._forward is not None:
+            self._forward[1].synchronize()
+            self._read_forward_timing()
+        return self.last_forward_ms
+
     def _read_forward_timing(self) -> None:
         if self._forward is None or not self._forward[1].query():
             return
         begin, end, saved = self._forward
         self._forward = None
-        self.link.observe(saved, begin.elapsed_time(end), self._link_rate)
+        self.last_forward_ms = begin.elapsed_time(end)
+        self.link.observe(saved, self.last_forward_ms, self.link_rate)
 
     def collect(self, stats: OffloadStats, wait: bool) -> None:
         stats.stall_ms += self._stall.collect_ms(wait)

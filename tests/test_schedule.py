@@ -75,3 +75,78 @@ def test_deadline_queues_copies_behind_each_other() -> None:
     assert second > first
     link.forward_started()
     assert link.deadline(0, 10 * MiB) == pytest.approx(30 * MiB * SLACK)
+
+
+# ---------------------------------------------------------------------------------------------- the memory budget
+
+from lightning_offload.schedule import HIDDEN_SHARE, StepProfile, copy_cost_ms, plan_for_budget  # noqa: E402
+
+
+def profile(**changes: float) -> StepProfile:
+    """A measured step that kept its 10 GiB of activations: 30 GiB peak, of which 20 GiB are not activations."""
+    values: dict = dict(
+        peak=30 * GiB,
+        resident=10 * GiB,
+        eligible=10 * GiB,
+        forward_ms=100.0,
+        link_bytes_per_ms=50 * MiB,  # ~52 GB/s
+        blocks=10,
+        block_bytes=GiB,
+        block_input_bytes=64 * MiB,
+        offload_overhead=512 * MiB,
+        tail=256 * MiB,
+    )
+    values.update(changes)
+    return StepProfile(**values)
+
+
+def test_a_model_that_fits_keeps_everything() -> None:
+    plan = plan_for_budget(profile(), budget=31 * GiB)
+    assert (plan.offload_bytes, plan.checkpoint_blocks, plan.extra_ms, plan.fits) == (0, 0, 0.0, True)
+    assert plan.peak == 30 * GiB
+
+
+def test_offloads_just_what_is_needed_where_it_hides() -> None:
+    """3 GiB must leave: forward hides 0.8 x 100 ms x 50 MiB/ms = 4 GiB each way, so offloading costs nothing."""
+    plan = plan_for_budget(profile(), budget=27 * GiB)
+    assert plan.checkpoint_blocks == 0
+    assert plan.offload_bytes == 3 * GiB + 512 * MiB  # the copies' own overhead must leave too
+    assert plan.peak <= 27 * GiB and plan.fits
+    assert plan.extra_ms == 0.0
+
+
+def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
+    """8 GiB must leave; offloading it costs far more than recomputing a few blocks (10 ms each)."""
+    budget = 22 * GiB
+    plan = plan_for_budget(profile(), budget)
+    assert plan.fits and plan.peak <= budget
+    assert 0 < plan.checkpoint_blocks < 10
+    assert copy_cost_ms(8 * GiB, 100.0, 50 * MiB) > plan.extra_ms
+    fewer = plan_for_budget(profile(blocks=10), budget)
+    assert fewer == plan  # deterministic
+    # One block fewer would need more offloading than hides: the plan is the cheapest, not merely a fitting one.
+    k = plan.checkpoint_blocks
+    assert plan.extra_ms <= k * 10.0 + copy_cost_ms(plan.offload_bytes, 100.0, 50 * MiB) + 1e-9
+
+
+def test_no_blocks_means_offload_only() -> None:
+    plan = plan_for_budget(profile(blocks=0), budget=22 * GiB)
+    assert plan.checkpoint_blocks == 0 and plan.fits
+    assert plan.offload_bytes >= 8 * GiB
+
+
+def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting() -> None:
+    """Weights and transients alone (20 GiB) exceed the budget: nothing fits, the plan says so."""
+    plan = plan_for_budget(profile(), budget=19 * GiB)
+    assert not plan.fits
+    assert plan.checkpoint_blocks == 10  # everything checkpointed and offloaded: the least memory there is
+    assert plan.peak > 19 * GiB
+    assert "does NOT fit" in plan.describe(19 * GiB)
+
+
+def test_copy_cost_counts_only_what_compute_cannot_hide() -> None:
+    link = 50 * MiB
+    assert copy_cost_ms(0, 100.0, link) == 0.0
+    hidden = int(HIDDEN_SHARE * 100.0 * link)
+    assert copy_cost_ms(hidden, 100.0, link) == pytest.approx(0.0)
+    assert copy_cost_ms(3 * hidden, 100.0, link) == pytest.approx(3 * 80.0 - 80.0 + 3 * 80.0 - 160.0)

@@ -1,0 +1,257 @@
+"""The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
+
+The first step (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) is the measuring step: it
+keeps every saved tensor on the device, counts what forward saves block by block and times forward, unless device
+memory passes a watermark below the budget, from where on it offloads everything it can (so the measuring step stays
+safe where the model does not fit). From that profile :func:`~lightning_offload.schedule.plan_for_budget` picks how
+many bytes leave and how many blocks are checkpointed; the engine applies the plan. A plan that offloads nothing does
+not even install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects
+the model and plans again.
+
+Torch only: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES
+from lightning_offload.outbound import OutboundQueue
+from lightning_offload.schedule import Plan, StepProfile, plan_for_budget
+from lightning_offload.stats import OffloadStats
+from lightning_offload.transfer import StreamedTransfer
+
+_log = logging.getLogger("lightning_offload")
+GiB = 1 << 30
+# The device's allocator never gets all of its memory (CUDA context, fragmentation, other libraries): the default
+# budget leaves this share of the total (at least _MIN_MARGIN) unplanned.
+_MARGIN_SHARE = 0.08
+_MIN_MARGIN = 3 * GiB
+# A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
+_KEEP_ALL = 1 << 62
+# The measuring step starts offloading once allocated memory passes the budget less this share of it: what backward
+# and the loss add on top of forward's activations is not known yet.
+_RESERVE_SHARE = 0.25
+
+
+class DeviceMemory:
+    """The allocator's counters of a CUDA device (tests pass an object with the same methods)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def default_budget(total: int) -> int:
+    """What the device can hold for training: its total memory less a margin."""
+    return total - max(_MIN_MARGIN, int(total * _MARGIN_SHARE))
+
+
+class BudgetPlanner:
+    """Measures a step, then chooses and applies each step's plan under ``budget`` bytes.
+
+    Args:
+        budget: bytes the step's peak may reach; ``None``: :func:`default_budget` of the device.
+        memory: the device's allocator counters.
+        model: its repeated blocks may be checkpointed (selectively) when offloading alone would cost more.
+        owns_peaks: reset the peak counter at every step (``False`` when a caller such as the Lightning callback
+            resets it at its own step boundaries).
+    """
+
+    def __init__(
+        self, budget: int | None, memory: Any, model: nn.Module | None = None, owns_peaks: bool = True
+    ) -> None:
+        self.memory = memory
+        self.budget = budget if budget is not None else default_budget(memory.total())
+        self.owns_peaks = owns_peaks
+        self.plan: Plan | None = None
+        self.profile: StepProfile | None = None
+        self.watermark: int | None = None  # measuring step: offload everything once allocated passes this
+        self.on_plan: Callable[[str], None] | None = None  # told each new plan, in words
+        self._model = model
+        self._blocks = _blocks_of(model)
+        self._checkpointed: list[str] = []
+        self._measuring = False
+        self._stepping = False
+        self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
+        self._handles: list[Any] = []
+        self._base = 0
+
+    @property
+    def measuring(self) -> bool:
+        return self._measuring
+
+    def replan(self) -> None:
+        """Measure again at the next step (the input's shape changed, or the model did)."""
+        self.profile = None
+
+    def begin_step(self, position: Callable[[], int]) -> Plan | None:
+        """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
+        if self.owns_peaks:
+            self.memory.reset_peak()
+        self._stepping = True
+        if self.profile is not None and self.plan is not None:
+            self._apply_checkpointing(self.plan.checkpoint_blocks)
+            return self.plan
+        self._measuring = True
+        self._apply_checkpointing(0)
+        self._base = self.memory.allocated()
+        self.watermark = self.budget - int(self.budget * _RESERVE_SHARE)
+        self._marks = {}
+        self._watch_blocks(position)
+        return None
+
+    def end_step(self, eligible: int, offloaded: int, forward_ms: float, link_bytes_per_ms: float, extra: dict) -> None:
+        """The step that :meth:`begin_step` started is over (backward included): learn from its peak."""
+        if not self._stepping:
+            return
+        self._stepping = False
+        peak = self.memory.peak()
+        if self._measuring:
+            self._measuring = False
+            self.watermark = None
+            self._unwatch_blocks()
+            blocks = [m for m in self._marks.values() if m[1] > m[0]]
+            block_bytes = sum(m[1] - m[0] for m in blocks) // len(blocks) if blocks else 0
+            input_bytes = sum(m[2] for m in blocks) // len(blocks) if blocks else 0
+            self.profile = StepProfile(
+                peak=peak,
+                resident=max(0, eligible - offloaded),
+                eligible=eligible,
+                forward_ms=forward_ms,
+                link_bytes_per_ms=link_bytes_per_ms,
+                blocks=len(blocks) if block_bytes > input_bytes else 0,
+                block_bytes=block_bytes,
+                block_input_bytes=input_bytes,
+                **extra,
+            )
+            self._choose()
+        elif self.plan is not None and self.profile is not None:
+            p = self.profile
+            if peak > self.budget:
+                # The model was wrong by ``peak - predicted``: hold that much more as fixed and plan again.
+                self.profile = dataclasses.replace(p, peak=p.peak + max(peak - self.plan.peak, peak - self.budget))
+                self._choose()
+            elif 0 < forward_ms < 0.9 * p.forward_ms:
+                # A measuring step that offloaded waited for its copies: a later, lighter forward is the truer pace.
+                self.profile = dataclasses.replace(p, forward_ms=forward_ms)
+                self._choose()
+
+    def _choose(self) -> None:
+        assert self.profile is not None
+        plan = plan_for_budget(self.profile, self.budget)
+        changed = plan != self.plan
+        self.plan = plan
+        if changed:
+            text = f"memory_budget={self.budget / GiB:.2f} GiB: {plan.describe(self.budget)}"
+            if not plan.fits:
+                fixed = self.profile.peak - self.profile.resident
+                text += (
+                    f". Even the most frugal plan needs {plan.peak / GiB:.2f} GiB: weights, gradients and optimizer "
+                    f"state take {self._base / GiB:.2f} GiB and the step's other transients (the loss and logits "
+                    f"among them) {(fixed - self._base) / GiB:.2f} GiB"
+                )
+            _log.info(text)
+            if self.on_plan is not None:
+                self.on_plan(text)
+
+    # ------------------------------------------------------------------ blocks
+
+    def _apply_checkpointing(self, count: int) -> None:
+        model = self._model
+        if model is None or not self._blocks:
+            return
+        wanted = [name for name, _ in self._blocks[len(self._blocks) - count :]] if count else []
+        if wanted == self._checkpointed:
+            return
+        remove_checkpointing(model, [n for n in self._checkpointed if n not in wanted])
+        if wanted:
+            apply_checkpointing(model, wanted)
+        self._checkpointed = wanted
+
+    def remove(self) -> None:
+        """Leave the model as it was: drop this planner's checkpointing and hooks."""
+        self._unwatch_blocks()
+        if self._model is not None and self._checkpointed:
+            remove_checkpointing(self._model, self._checkpointed)
+        self._checkpointed = []
+
+    def _watch_blocks(self, position: Callable[[], int]) -> None:
+        marks = self._marks
+
+        def before(module: nn.Module, args: Any) -> None:
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            nbytes = first.numel() * first.element_size() if first is not None else 0
+            marks.setdefault(id(module), (position(), 0, nbytes))
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            start, end, nbytes = marks.get(id(module), (0, 0, 0))
+            if end == 0:
+                marks[id(module)] = (start, position(), nbytes)
+
+        for _, block in self._blocks:
+            self._handles.append(block.register_forward_pre_hook(before))
+            self._handles.append(block.register_forward_hook(after))
+
+    def _unwatch_blocks(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, by qualified name, in order (none when it has no such list)."""
+    if model is None:
+        return []
+    try:
+        _, blocks = find_repeated_blocks(model)
+    except ValueError:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)], b) for b in blocks if id(b) in names]
+
+
+def plan_step(
+    planner: BudgetPlanner,
+    transfer: Any,
+    outbound: OutboundQueue | None,
+    stats: OffloadStats,
+    position: Callable[[], int],
+) -> tuple[int | None, int | None]:
+    """Close the planner's previous step (``stats`` describe it) and set the outbound queue up for the next one.
+
+    Returns:
+        The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
+        step) and the watermark of allocated bytes beyond which a measuring step starts offloading.
+    """
+    assert isinstance(transfer, StreamedTransfer) and outbound is not None
+    if planner.measuring:
+        overhead = (outbound.inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES) + outbound.prefetch_cap
+        extra = {"offload_overhead": overhead, "tail": outbound.default_tail}
+        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.forward_ms(), transfer.link_rate, extra)
+    else:
+        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.last_forward_ms, transfer.link_rate, {})
+    plan = planner.begin_step(position)
+    if plan is None:  # measuring: keep everything, unless memory passes the watermark
+        outbound.tail = _KEEP_ALL
+        return None, planner.watermark
+    outbound.tail = outbound.default_tail
+    return plan.offload_bytes, None

@@ -1,0 +1,307 @@
+"""The memory-budget planner with the engine, on the CPU: simulated copy streams and allocator counters faked from
+what the engine keeps on the device. It measures one step, then keeps, offloads or checkpoints as the budget needs,
+re-plans when a step passes the budget or the input changes, and leaves the model as it was."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_offload import OffloadOptions, offload_activations
+from lightning_offload.budget import BudgetPlanner, default_budget
+from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.streams import SimulatedStreams
+from tests.models import assert_same_grads
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+WIDTH, BATCH, BLOCKS = 256, 64, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Repeated blocks (the planner may checkpoint them); each block takes 1 ms of simulated compute."""
+
+    def __init__(self, sim: SimulatedStreams | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.sim = sim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.sim is not None:
+                self.sim.advance(1.0)
+            x = block(x)
+        return x.square().mean()
+
+
+class FakeMemory:
+    """Allocator counters: ``base`` bytes of weights and state, ``transient`` bytes of loss and workspace at the peak,
+    plus the eligible saved bytes the engine kept on the device (all of them, in a step it did not hook)."""
+
+    def __init__(self, base: int, transient: int, total: int = 100 * GiB) -> None:
+        self.base, self.transient, self._total = base, transient, total
+        self.engine: OffloadEngine | None = None
+        self.unhooked_resident = 0  # what a step without hooks keeps (all activations): learnt from a hooked step
+        self._peak = 0
+        self._finished: object = None
+        self.peaks: list[int] = []
+
+    def _resident(self) -> int:
+        assert self.engine is not None
+        stats = self.engine.collect_stats(wait=False)
+        if stats is self._finished:
+            return 0  # between steps: the previous step's activations are gone
+        if stats.saved_tensors == 0:
+            return self.unhooked_resident
+        return stats.eligible_bytes - stats.offloaded_bytes
+
+    def total(self) -> int:
+        return self._total
+
+    def allocated(self) -> int:
+        now = self.base + self._resident()
+        self._peak = max(self._peak, now)
+        return now
+
+    def peak(self) -> int:
+        peak = max(self._peak, self.base + self.transient + self._resident())
+        self.peaks.append(peak)
+        return peak
+
+    def reset_peak(self) -> None:
+        assert self.engine is not None
+        self._finished = self.engine.collect_stats(wait=False)  # a new step begins; these counters are the last one's
+        self._peak = 0
+
+
+def planned_engine(budget: int, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams) -> OffloadEngine:
+    options = OffloadOptions.create(
+        "test",
+        memory_budget=budget,
+        compute_device="cpu",
+        min_tensor_bytes=0,
+        resident_tail_bytes=0,
+        max_inflight_bytes=64 * KiB,
+        prefetch_bytes=64 * KiB,
+    )
+    engine = OffloadEngine(options, model=model, streams=sim, memory=memory)
+    memory.engine = engine
+    return engine
+
+
+def reference_grads(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = Stack()
+    model(x).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_steps(engine: OffloadEngine, model: nn.Module, x: torch.Tensor, steps: int) -> list[dict[str, Any]]:
+    """Train ``steps`` steps (same batch, no update); per step: grads, whether hooks ran, offloaded bytes."""
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            installed = engine.installed
+            loss = model(x)
+        loss.backward()
+        stats = engine.stats
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out.append(
+            {"grads": grads, "hooked": installed, "offloaded": stats.offloaded_bytes, "saved": stats.saved_tensors}
+        )
+    return out
+
+
+def activation_bytes(x: torch.Tensor) -> int:
+    """The eligible bytes one step of ``Stack`` saves (measured with an engine that only counts)."""
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    with engine:
+        loss = Stack()(x)
+    loss.backward()
+    return engine.stats.eligible_bytes
+
+
+def test_a_model_that_fits_runs_without_hooks_after_the_measuring_step() -> None:
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=MiB)
+    engine = planned_engine(2 * GiB, memory, model, sim)
+    x = torch.randn(BATCH, WIDTH)
+    steps = run_steps(engine, model, x, 3)
+    expected = reference_grads(x)
+    assert [s["hooked"] for s in steps] == [True, False, False]  # measured once, then nothing installed
+    assert all(s["offloaded"] == 0 for s in steps)
+    for s in steps:
+        assert_same_grads(s["grads"], expected)
+    assert engine.planner is not None and engine.planner.plan is not None
+    assert engine.planner.plan.offload_bytes == 0 and engine.planner.plan.fits
+
+
+def test_offloads_the_least_that_fits_when_copies_hide() -> None:
+    """Activations exceed the room by about half: the plan offloads about half, the earliest bytes, and the next
+    steps' peaks stay within the budget."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))  # a fast link: every copy hides
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=256 * KiB)
+    memory.unhooked_resident = act
+    budget = GiB + 256 * KiB + act // 2
+    engine = planned_engine(budget, memory, model, sim)
+    steps = run_steps(engine, model, x, 4)
+    plan = engine.planner.plan  # type: ignore[union-attr]
+    assert plan is not None and plan.fits and plan.checkpoint_blocks == 0
+    assert act // 2 <= plan.offload_bytes < act
+    assert all(s["hooked"] for s in steps)
+    assert act // 2 <= steps[-1]["offloaded"] < act  # the limit took effect
+    assert max(memory.peaks[1:]) <= budget  # every planned step within the budget
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
+
+
+def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -> None:
+    """A slow link: offloading the excess would stall; the plan checkpoints the fewest (last) blocks instead and the
+    gradients stay bit-equal. Removing the planner leaves no wrapper behind."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(16 * KiB), copies_take_time=False)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=256 * KiB)
+    budget = GiB + 256 * KiB + act // 2
+    engine = planned_engine(budget, memory, model, sim)
+    steps = run_steps(engine, model, x, 3)
+    plan = engine.planner.plan  # type: ignore[union-attr]
+    assert plan is not None and plan.fits
+    assert 0 < plan.checkpoint_blocks < BLOCKS
+    wrapped = checkpointed_modules(model)
+    assert wrapped == [f"blocks.{i}" for i in range(BLOCKS - plan.checkpoint_blocks, BLOCKS)]
+    assert steps[-1]["saved"] < steps[0]["saved"]  # checkpointed blocks save only their inputs
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
+    engine.planner.remove()  # type: ignore[union-attr]
+    assert checkpointed_modules(model) == []
+
+
+def test_a_step_over_budget_corrects_the_model_and_plans_again() -> None:
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=256 * KiB)
+    memory.unhooked_resident = act
+    budget = GiB + 256 * KiB + act // 2
+    engine = planned_engine(budget, memory, model, sim)
+    run_steps(engine, model, x, 2)
+    first = engine.planner.plan  # type: ignore[union-attr]
+    memory.transient += act // 4  # the model underestimated what the peak holds
+    run_steps(engine, model, x, 3)
+    second = engine.planner.plan  # type: ignore[union-attr]
+    assert first is not None and second is not None
+    assert second.offload_bytes > first.offload_bytes
+    assert memory.peaks[-1] <= budget
+
+
+def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=MiB)
+    engine = planned_engine(GiB // 2, memory, model, sim)  # the weights alone exceed it
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        run_steps(engine, model, torch.randn(BATCH, WIDTH), 2)
+    text = caplog.text
+    assert "does NOT fit" in text and "Even the most frugal plan needs" in text
+    assert "weights, gradients and optimizer state take 1.00 GiB" in text
+
+
+def test_replan_measures_again() -> None:
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=MiB)
+    engine = planned_engine(2 * GiB, memory, model, sim)
+    x = torch.randn(BATCH, WIDTH)
+    assert [s["hooked"] for s in run_steps(engine, model, x, 2)] == [True, False]
+    engine.replan()
+    assert [s["hooked"] for s in run_steps(engine, model, torch.randn(2 * BATCH, WIDTH), 2)] == [True, False]
+
+
+def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
+    """The first step keeps everything until allocated memory passes the budget less its reserve; from there on
+    everything saved so far and after leaves: the first step is safe where the model does not fit, and free where
+    it does."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    for budget, offloads in ((int((GiB + act // 2) / 0.75), True), (2 * GiB, False)):
+        sim = SimulatedStreams(lag=0)
+        model = Stack(sim)
+        memory = FakeMemory(base=GiB, transient=0)
+        seen: list[int] = []
+        allocated = memory.allocated
+        memory.allocated = lambda seen=seen, allocated=allocated: seen.append(allocated()) or seen[-1]  # type: ignore[method-assign]
+        engine = planned_engine(budget, memory, model, sim)
+        first = run_steps(engine, model, x, 1)[0]
+        watermark = budget - int(budget * 0.25)
+        if offloads:
+            assert first["offloaded"] == act
+            assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
+        else:
+            assert first["offloaded"] == 0
+            assert max(seen) <= watermark
+
+
+def test_default_budget_leaves_a_margin() -> None:
+    assert default_budget(140 * GiB) == 140 * GiB - int(140 * GiB * 0.08)
+    assert default_budget(16 * GiB) == 13 * GiB
+
+
+def test_planning_is_off_for_manual_overrides_and_without_device_memory() -> None:
+    assert not OffloadOptions.create("t", max_offload_bytes=GiB).plans
+    assert not OffloadOptions.create("t", mode="sync").plans
+    assert not OffloadOptions.create("t", memory_budget=None).plans
+    assert OffloadOptions.create("t", memory_budget="40GiB").memory_budget == 40 * GiB
+    engine = offload_activations(compute_device="cpu")  # "auto" needs the CUDA allocator's counters
+    with engine:
+        pass
+    assert engine.planner is None
+    model = Stack()
+    engine = offload_activations(compute_device="cpu", model=model, checkpoint="auto", memory_budget="1GiB")
+    assert not engine.options.plans  # checkpointing by hand switches planning off
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("40GiB", 40 * GiB), ("512 MiB", 512 * MiB), ("80GB", 80 * 10**9), ("1.5G", int(1.5 * GiB)), (1024, 1024)],
+)
+def test_memory_budget_accepts_sizes(value: Any, expected: int) -> None:
+    assert OffloadOptions.create("t", memory_budget=value).memory_budget == expected
+
+
+@pytest.mark.parametrize("value", ["40 parsecs", "-1GiB", 0, -5, True, 1.5, "GiB"])
+def test_memory_budget_rejects_nonsense_naming_the_argument(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"offload_activations\(memory_budget=.*\): memory_budget must be 'auto'"):
+        offload_activations(memory_budget=value)
+
+
+def test_max_offload_bytes_auto_is_retired_with_a_pointer_to_memory_budget() -> None:
+    with pytest.raises(ValueError, match="memory_budget="):
+        offload_activations(max_offload_bytes="auto")
+
+
+def test_planner_unit_without_engine() -> None:
+    memory = FakeMemory(base=GiB, transient=0)
+    planner = BudgetPlanner(None, memory)
+    assert planner.budget == default_budget(100 * GiB)
