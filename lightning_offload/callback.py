@@ -350,9 +350,12 @@ class ActivationOffloadCallback(Callback):
             metrics["offload/d2h_gbps"] = stats.d2h_gbps()
             metrics["offload/h2d_gbps"] = stats.h2d_gbps()
         shown = "offload/peak_allocated_gib" if device is not None else "offload/offloaded_gib"
+        # Without a logger the values still reach ``trainer.callback_metrics`` and the progress bar; asking for the
+        # logger anyway would make Lightning warn once per key.
+        to_logger = bool(trainer.loggers)
         for key, value in metrics.items():
             prog_bar = self.progress_bar and key == shown
-            pl_module.log(key, value, on_step=True, on_epoch=False, logger=True, prog_bar=prog_bar, batch_size=1)
+            pl_module.log(key, value, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
 
     def _setup_reporting(self, trainer: pl.Trainer, device: torch.device) -> None:
         options = self.options
@@ -379,8 +382,9 @@ class ActivationOffloadCallback(Callback):
         engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
         # Every process computes (the reduction is collective), and logs the same reduced values. ``sync_dist``
         # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
+        to_logger = bool(pl_module.loggers)  # as in ``_log``: no logger, no warning per key
         for key, value in summaries.compute(pl_module.device).items():
-            pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1, sync_dist=True)
+            pl_module.log(key, value, on_step=False, on_epoch=True, logger=to_logger, batch_size=1, sync_dist=True)
 
 
 def _will_log(trainer: pl.Trainer) -> bool:
