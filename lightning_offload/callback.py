@@ -50,8 +50,9 @@ class ActivationOffloadCallback(Callback):
         resident_tail_bytes: the most recently saved bytes of each forward stay on the device (they are needed
             first in backward).
         max_offload_bytes: offload at most the first this-many bytes of each forward; the rest stays on the
-            device. The knob that trades memory for step time. ``None``: no limit. ``"auto"``: what the link moves
-            during forward (bandwidth x forward time, measured), which costs almost no step time.
+            device. The knob that trades memory for step time. ``None``: no limit. ``"auto"``: meant to offload what
+            the link moves during forward (bandwidth x forward time, measured); known to offload far too much on an
+            H200, so prefer a byte count.
         max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
             waits for them (on the device), bounding the memory copies in flight hold. ``None``: 512 MiB when
             everything eligible is offloaded, unbounded with ``max_offload_bytes``.
