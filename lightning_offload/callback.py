@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -224,6 +225,7 @@ class ActivationOffloadCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        _require_trainer(trainer, "on_train_batch_start")
         engine = self._engine
         if not self._active or engine is None:
             return
@@ -386,6 +388,25 @@ class ActivationOffloadCallback(Callback):
         to_logger = bool(pl_module.loggers)  # as in ``_log``: no logger, no warning per key
         for key, value in summaries.compute(pl_module.device).items():
             pl_module.log(key, value, on_step=False, on_epoch=True, logger=to_logger, batch_size=1, sync_dist=True)
+
+
+def _require_trainer(trainer: Any, hook: str) -> None:
+    """Refuse to run outside a Lightning ``Trainer`` (e.g. ``fabric.call``), where ``setup`` never built the engine.
+
+    Without this, the hook would return without offloading anything, and nothing would say so.
+    """
+    trainers: tuple[type, ...] = (pl.Trainer,)
+    # The twin's trainer, when ``pytorch_lightning`` is in use (imported: no import cost for anyone else).
+    standalone = getattr(sys.modules.get("pytorch_lightning"), "Trainer", None)
+    if isinstance(standalone, type):
+        trainers = (*trainers, standalone)
+    if not isinstance(trainer, trainers):
+        raise RuntimeError(
+            f"ActivationOffloadCallback.{hook}(trainer={type(trainer).__name__}): the callback runs inside a "
+            "Lightning Trainer, whose setup builds the offloading engine; called any other way (such as "
+            "fabric.call) it would offload nothing. In a Fabric loop use "
+            "`off = lightning_offload.fabric.fabric_offload(fabric, model)` and `with off:` around each forward."
+        )
 
 
 def _will_log(trainer: pl.Trainer) -> bool:

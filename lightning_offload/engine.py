@@ -583,6 +583,7 @@ def offload_activations(
     measure_copies: bool = False,
     model: torch.nn.Module | None = None,
     checkpoint: Any = None,
+    local_processes: int | None = None,
 ) -> OffloadEngine:
     """Offload the activations autograd saves inside the ``with`` block to host memory.
 
@@ -627,6 +628,8 @@ def offload_activations(
         checkpoint: also checkpoint ``model``'s repeated blocks (non-reentrant) so only each block's input is
             saved and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a
             module name, or a list of those. ``None``: no checkpointing. Applied once, here.
+        local_processes: the processes on this machine, each with its own pool, that share the default host
+            limit. ``None``: ``LOCAL_WORLD_SIZE`` (1 when unset).
 
     Returns:
         An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block.
@@ -652,4 +655,4 @@ def offload_activations(
         from lightning_offload.checkpointing import apply_checkpointing
 
         apply_checkpointing(model, checkpoint)
-    return OffloadEngine(options, model=model)
+    return OffloadEngine(options, model=model, local_processes=local_processes)
