@@ -81,6 +81,10 @@ class ActivationOffloadCallback(Callback):
             offloading) and is left out of the epoch summaries. It needs the memory offloading saves: turn this
             off when the model fits only with offloading. It is skipped with ``mode="off"``, gradient
             accumulation, manual optimization and LBFGS.
+        memory_snapshot: with ``memory_picture``, also record the CUDA caching allocator's history over the recorded
+            step (``torch.cuda.memory._record_memory_history``) and write it beside the picture as
+            ``offload_memory_snapshot.pickle``, for PyTorch's memory viewer: every allocation and free of the step
+            with its Python stack. CUDA only: on another device it warns and writes no snapshot.
 
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
@@ -118,6 +122,7 @@ class ActivationOffloadCallback(Callback):
         progress_bar: bool = False,
         memory_picture: bool = False,
         memory_picture_compare: bool = True,
+        memory_snapshot: bool = False,
     ) -> None:
         super().__init__()
         self.options = OffloadOptions.create(
@@ -143,13 +148,21 @@ class ActivationOffloadCallback(Callback):
             ("progress_bar", progress_bar),
             ("memory_picture", memory_picture),
             ("memory_picture_compare", memory_picture_compare),
+            ("memory_snapshot", memory_snapshot),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"ActivationOffloadCallback({name}={value!r}): {name} must be True or False")
+        if memory_snapshot and not memory_picture:
+            raise ValueError(
+                "ActivationOffloadCallback(memory_snapshot=True, memory_picture=False): the snapshot covers the step "
+                "the memory picture records; pass memory_picture=True too"
+            )
         self.progress_bar = progress_bar
         # Created in ``setup``, where the device is known; both pickle without their device state (``ddp_spawn``).
         self._epoch_metrics: OffloadEpochMetrics | None = None
-        self._picture = MemoryPicture(compare=memory_picture_compare) if memory_picture else None
+        self._picture = (
+            MemoryPicture(compare=memory_picture_compare, snapshot=memory_snapshot) if memory_picture else None
+        )
         self._plain_batch = False  # this batch runs without offloading (the memory picture's comparison)
         self._engine: OffloadEngine | None = None
         self._active = False
