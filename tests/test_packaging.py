@@ -30,6 +30,7 @@ DISTRIBUTION = {
     "torchmetrics": "torchmetrics",
     "psutil": "psutil",
     "typing_extensions": "typing-extensions",
+    "jsonargparse": "jsonargparse",
     "matplotlib": "matplotlib",
     "numpy": "numpy",
     "PIL": "pillow",
