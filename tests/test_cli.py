@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor, ModelSummary
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
@@ -295,3 +295,21 @@ def test_demo_cpu_config_runs_and_logs(tmp_path: Path) -> None:
     (entry,) = saved["trainer"]["callbacks"]
     assert entry["class_path"] == CLASS_PATH
     assert entry["init_args"]["mode"] == "sync" and entry["init_args"]["min_tensor_bytes"] == 8192
+
+
+def test_offload_flags_win_under_a_subcommand(tmp_path: Path) -> None:
+    """``python train.py fit ...`` trains: the flags given after the subcommand win over a listed callback too."""
+    entry = {"mode": "off", "compute_device": "cpu", "min_tensor_bytes": 0, "resident_tail_bytes": 0}
+    callbacks = [
+        {"class_path": "lightning.pytorch.callbacks.ModelSummary", "init_args": {"max_depth": 3}},
+        {"class_path": CLASS_PATH, "init_args": entry},
+    ]
+    user = tmp_path / "user.yaml"
+    user.write_text(yaml.safe_dump({"trainer": {"default_root_dir": str(tmp_path), "callbacks": callbacks}}))
+    args = ["fit", f"--config={user}", "--offload.mode=sync", "--trainer.max_steps=1", "--trainer.logger=false"]
+    cli = OffloadCLI(BoringModel, BoringDataModule, args=args)
+    (summary,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ModelSummary)]
+    assert summary._max_depth == 3
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+    assert callback.options.mode == "sync" and callback.options.compute_device == torch.device("cpu")
+    assert callback.stats.offloaded_bytes > 0  # it trained, offloading
