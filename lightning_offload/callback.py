@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import sys
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
@@ -23,63 +24,45 @@ from lightning_offload.checkpointing import (
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
 from lightning_offload.memory_picture import MemoryPicture
-from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import (
     DEFAULT_MIN_TENSOR_BYTES,
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_RESIDENT_TAIL_BYTES,
-    GiB,
     Mode,
     OffloadOptions,
     OnHostFull,
+    option_docs,
 )
+from lightning_offload.reporting import StepReporter
 from lightning_offload.stats import OffloadStats
 
 
 class ActivationOffloadCallback(Callback):
-    r"""Move the activations autograd saves in ``training_step`` to host memory, and back in backward.
+    r"""Move the activations autograd saves in ``training_step`` to host memory (as much as the budget needs).
 
     Gradients are unchanged: tensors are copied bit for bit. Hooks are installed in ``on_train_batch_start`` and
     removed after backward (or, when a batch may run forward again after a backward — LBFGS closures, manual
     optimization — in ``on_train_batch_end``), and always in ``on_train_batch_end``, ``on_train_epoch_end``,
     ``on_exception`` and ``teardown``. Streams and the pinned pool are created lazily, so the callback pickles
-    (``ddp_spawn``).
+    (``ddp_spawn``). With a memory budget (the default), the first batch is measured and a plan is chosen and
+    reported (one line at INFO); a batch whose tensors change shape is measured again.
 
     Example::
 
-        trainer = Trainer(callbacks=[ActivationOffloadCallback()])
+        trainer = Trainer(callbacks=[ActivationOffloadCallback()])  # fit the device, as cheaply as possible
+        trainer = Trainer(callbacks=[ActivationOffloadCallback(memory_budget="40GiB")])
 
     Args:
-        mode: ``"streamed"`` (copies overlap compute on two copy streams, backward prefetches), ``"sync"``
-            (copy when saved and when needed; for debugging), or ``"off"`` (offload nothing; log what would
-            be offloaded and the memory figures).
-        compute_device: the device whose activations are offloaded. ``None``: the module's device when it is
-            CUDA; otherwise the callback warns once and does nothing. ``"cpu"`` runs the engine on CPU tensors
-            (for tests).
-        min_tensor_bytes: saved tensors smaller than this stay on the device.
-        resident_tail_bytes: the most recently saved bytes of each forward stay on the device (they are needed
-            first in backward).
-        max_offload_bytes: offload at most the first this-many bytes of each forward; the rest stays on the
-            device. The knob that trades memory for step time. ``None``: no limit. ``"auto"``: what the link moves
-            during forward (bandwidth x forward time, measured), which costs almost no step time.
-        max_inflight_bytes: device-to-host copies may lag forward by this many bytes before the compute stream
-            waits for them (on the device), bounding the memory copies in flight hold. ``None``: 512 MiB when
-            everything eligible is offloaded, unbounded with ``max_offload_bytes``.
-        prefetch_bytes: the most bytes fetched back ahead of backward and not yet used; a model of the link
-            decides when each copy starts.
-        host_memory_limit: bytes of host memory the pool may hold. ``None``: 80% of the available RAM divided
-            by the processes on this machine.
-        on_host_full: ``"warn"`` keeps tensors on the device (one warning) when host memory runs out; ``"error"``
-            raises ``HostMemoryFull``.
-        measure_copies: time every copy, to log achieved bandwidth.
+        {options}
         checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
             each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
             (the largest ``ModuleList`` of same-class blocks), a class name or module name, an ``nn.Module``
-            subclass, or a list mixing names and classes. ``None``: leave the model as it is. A selector that
-            matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup`` or
-            ``configure_model``, in ``on_fit_start``, still before any batch), listing the candidate block
-            classes. The wrappers are applied in ``on_fit_start`` and removed at the end of the fit (``teardown``,
-            or ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
+            subclass, or a list mixing names and classes. ``None``: leave the model as it is (the memory-budget
+            planner may still checkpoint some blocks). A manual override: it switches the planner off. A selector
+            that matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup``
+            or ``configure_model``, in ``on_fit_start``, still before any batch), listing the candidate block
+            classes. Wrappers (the planner's too) are removed at the end of the fit (``teardown``, or
+            ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
             change.
         progress_bar: also show the step's peak allocated GiB in the progress bar (the offloaded GiB when the
             compute device is the CPU, where no peak is measured).
@@ -88,22 +71,30 @@ class ActivationOffloadCallback(Callback):
             TensorBoard logger is attached): allocated memory against time with forward, backward and the optimizer
             step marked, the offloaded bytes the host holds and the bytes with a copy in flight. The second training
             batch is recorded (the first warms the host pool up); the recorded step synchronizes the device at every
-            sample and so runs slower than the others.
+            sample and so runs slower than the others. Needs matplotlib (checked here).
         memory_picture_compare: with ``memory_picture``, run the batch after the recorded one without offloading
             and draw it too, for comparison. That batch logs what it did (nothing offloaded, its peak without
             offloading) and is left out of the epoch summaries. It needs the memory offloading saves: turn this
             off when the model fits only with offloading. It is skipped with ``mode="off"``, gradient
             accumulation, manual optimization and LBFGS.
+        memory_snapshot: with ``memory_picture``, also record the CUDA caching allocator's history over the recorded
+            step (``torch.cuda.memory._record_memory_history``) and write it beside the picture as
+            ``offload_memory_snapshot.pickle``, for PyTorch's memory viewer: every allocation and free of the step
+            with its Python stack. CUDA only: on another device it warns and writes no snapshot.
 
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
-        micro-batches of an accumulation window), in GiB.
+        micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
         ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
         ``offload/offloaded_gib``: bytes copied to host memory in the latest batch, in GiB.
         ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
         ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
         copies in the latest batch, in milliseconds.
         ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
+        ``offload/memory_budget_gib``: (with a memory budget, once planned) the budget, in GiB.
+        ``offload/plan_offload_gib``: the bytes of each forward the plan offloads, in GiB.
+        ``offload/plan_checkpoint_blocks``: how many blocks the plan checkpoints.
+        ``offload/plan_peak_gib``: the peak the plan predicts, in GiB.
 
     Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
         ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
@@ -118,10 +109,11 @@ class ActivationOffloadCallback(Callback):
     def __init__(
         self,
         mode: Mode = "streamed",
+        memory_budget: int | str | None = "auto",
         compute_device: str | None = None,
         min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
         resident_tail_bytes: int = DEFAULT_RESIDENT_TAIL_BYTES,
-        max_offload_bytes: int | Literal["auto"] | None = None,
+        max_offload_bytes: int | None = None,
         max_inflight_bytes: int | None = None,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         host_memory_limit: int | None = None,
@@ -131,47 +123,38 @@ class ActivationOffloadCallback(Callback):
         progress_bar: bool = False,
         memory_picture: bool = False,
         memory_picture_compare: bool = True,
+        memory_snapshot: bool = False,
     ) -> None:
         super().__init__()
-        self.options = OffloadOptions.create(
-            "ActivationOffloadCallback",
-            mode=mode,
-            compute_device=compute_device,
-            min_tensor_bytes=min_tensor_bytes,
-            resident_tail_bytes=resident_tail_bytes,
-            max_offload_bytes=max_offload_bytes,
-            max_inflight_bytes=max_inflight_bytes,
-            prefetch_bytes=prefetch_bytes,
-            host_memory_limit=host_memory_limit,
-            on_host_full=on_host_full,
-            measure_copies=measure_copies,
-        )
+        values = dict(locals())
+        shared = {name: values[name] for name in OffloadOptions.names()}
+        self.options = OffloadOptions.create("ActivationOffloadCallback", **shared)
         if checkpoint is not None:
             parse_blocks(checkpoint, call=f"ActivationOffloadCallback(checkpoint={checkpoint!r})")
         self.checkpoint = checkpoint
         self._checkpointed: list[str] = []  # the wrappers this callback applied in this fit, removed at its end
-        for name, value in (
-            ("progress_bar", progress_bar),
-            ("memory_picture", memory_picture),
-            ("memory_picture_compare", memory_picture_compare),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"ActivationOffloadCallback({name}={value!r}): {name} must be True or False")
+        for name in ("progress_bar", "memory_picture", "memory_picture_compare", "memory_snapshot"):
+            if not isinstance(values[name], bool):
+                raise TypeError(f"ActivationOffloadCallback({name}={values[name]!r}): {name} must be True or False")
+        if memory_snapshot and not memory_picture:
+            raise ValueError(
+                "ActivationOffloadCallback(memory_snapshot=True, memory_picture=False): the snapshot covers the step "
+                "the memory picture records; pass memory_picture=True too"
+            )
         if memory_picture:
             _require_matplotlib()
         self.progress_bar = progress_bar
-        # Created in ``setup``, where the device is known; both pickle without their device state (``ddp_spawn``).
-        self._epoch_metrics: OffloadEpochMetrics | None = None
-        self._picture = MemoryPicture(compare=memory_picture_compare) if memory_picture else None
+        self._reporter = StepReporter(self.options, progress_bar)
+        self._picture = (
+            MemoryPicture(compare=memory_picture_compare, snapshot=memory_snapshot) if memory_picture else None
+        )
         self._plain_batch = False  # this batch runs without offloading (the memory picture's comparison)
-        self._engine: OffloadEngine | None = None
-        self._device: torch.device | None = None  # the compute device, known from ``setup``
+        self._engine: OffloadEngine | None = None  # built in ``setup``, where the device is known
         self._active = False
         self._leave_after_backward = True
-        self._stepped = False  # an optimizer step ran in this batch
-        self._reset_peaks = True  # the next batch opens a new optimizer step (accumulation window)
         self._last_stats = OffloadStats()
         self._batch_started = False
+        self._shapes: tuple[Any, ...] | None = None  # the latest batch's tensor shapes: a change is planned anew
 
     @property
     def stats(self) -> OffloadStats:
@@ -221,16 +204,21 @@ class ActivationOffloadCallback(Callback):
                 self._active = False
                 return
             options = dataclasses.replace(options, compute_device=device)
+        if self.checkpoint is not None:
+            options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
         # One process per device on this machine (ddp, ddp_spawn, fsdp): Lightning's launchers do not set
         # LOCAL_WORLD_SIZE, so the count comes from the trainer.
         self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
-        self._device = device
         self._active = True
-        # Peaks are per optimizer step: the first batch of every fit opens one, whatever ran before it (model loading,
-        # an earlier fit, a tuner run), so the first logged peak and the epoch max describe this fit alone.
-        self._reset_peaks = True
-        self._stepped = False
-        self._setup_reporting(trainer, device)
+        self._shapes = None
+        self._reporter.start_fit(device)
+        if self._picture is not None:
+            # The comparison batch skips offloading for one whole optimizer step; under accumulation, manual
+            # optimization or LBFGS a batch is not one whole step, and with mode="off" there is nothing to compare.
+            compare_allowed = (
+                options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
+            )
+            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=compare_allowed)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -249,23 +237,34 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = pl_module.automatic_optimization and not any(
             isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
         )
+        if self._engine is not None and self._engine.options.plans and pl_module.device.type == "cuda":
+            rank_zero_info(
+                f"ActivationOffloadCallback: memory_budget={self.options.memory_budget!r}; measuring the first "
+                "training batch to plan what to offload and checkpoint"
+            )
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        _require_trainer(trainer, "on_train_batch_start")
         engine = self._engine
         if not self._active or engine is None:
             return
-        device = self._cuda_device()
-        if device is not None and self._reset_peaks:
-            torch.cuda.reset_peak_memory_stats(device)
-        self._reset_peaks = False
         self._batch_started = True
         picture = self._picture
         self._plain_batch = picture is not None and not picture.offload_batch()
+        shapes = _shapes(batch)
+        if self._shapes is not None and shapes != self._shapes:
+            engine.replan()  # a new input shape: the plan of the old one may not fit, or may waste time
+        self._shapes = shapes
         if not engine.installed and not self._plain_batch:
             engine.install()
+            planner = engine.planner
+            if planner is not None and planner.on_plan is None:
+                planner.owns_peaks = False  # the reporter resets the peak counters per optimizer step
+                planner.on_plan = lambda text: rank_zero_info(f"ActivationOffloadCallback: {text}")
+        self._reporter.start_batch()  # after the engine read the previous step's peak
         if picture is not None:
             picture.on_batch_start(pl_module, engine, engine.device or pl_module.device)
 
@@ -285,7 +284,7 @@ class ActivationOffloadCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._stepped = True
+        self._reporter.optimizer_stepped()
 
     @override
     def on_train_batch_end(
@@ -302,7 +301,9 @@ class ActivationOffloadCallback(Callback):
         self._batch_started = False
         if self._picture is not None:
             self._picture.on_batch_end(trainer, self._picture_title())
-        self._log(trainer, pl_module, engine)
+        stats = self._reporter.end_batch(trainer, pl_module, engine, self._plain_batch)
+        if not self._plain_batch:
+            self._last_stats = stats
         self._plain_batch = False
 
     @override
@@ -311,7 +312,8 @@ class ActivationOffloadCallback(Callback):
             self._engine.uninstall()
         if self._picture is not None:
             self._picture.discard_batch()  # a recorded batch that never ended leaves no hooks behind
-        self._log_epoch(pl_module)
+        if self._engine is not None and self._active:
+            self._reporter.end_epoch(pl_module, self._engine)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -321,17 +323,16 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_checkpointing(pl_module)  # Lightning calls no teardown hook after an exception
+        self._leave_model(pl_module)  # Lightning calls no teardown hook after an exception
         if self._engine is not None:
             self._engine.reset()
         if self._picture is not None:
             self._picture.close()
-        if self._epoch_metrics is not None:
-            self._epoch_metrics.reset()
+        self._reporter.discard()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_checkpointing(pl_module)
+        self._leave_model(pl_module)
         if self._picture is not None:
             self._picture.discard_batch()
         if self._engine is not None:
@@ -345,85 +346,47 @@ class ActivationOffloadCallback(Callback):
         assert self.checkpoint is not None
         select_blocks(pl_module, self.checkpoint, call=f"ActivationOffloadCallback(checkpoint={self.checkpoint!r})")
 
-    def _remove_checkpointing(self, pl_module: pl.LightningModule) -> None:
+    def _leave_model(self, pl_module: pl.LightningModule) -> None:
+        """Remove every checkpoint wrapper this callback (or its planner) applied."""
         if self._checkpointed:
             remove_checkpointing(pl_module, self._checkpointed)
             self._checkpointed = []
-
-    def _cuda_device(self) -> torch.device | None:
-        device = self._device
-        return device if device is not None and device.type == "cuda" else None
-
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
-        # Peaks cover a whole optimizer step, across the micro-batches of an accumulation window.
-        stepped = self._stepped or not pl_module.automatic_optimization
-        self._reset_peaks = stepped
-        self._stepped = False
-        # Timing events are waited for only when the logger writes: anything else would sync every step.
-        will_log = _will_log(trainer)
-        stats = engine.collect_stats(wait=will_log)
-        if self._plain_batch:
-            # The memory picture's comparison batch offloaded nothing: log that (and its real peak), and keep it out
-            # of ``stats`` and the epoch summaries, which describe offloading.
-            stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
-        else:
-            self._last_stats = stats
-        device = self._cuda_device()
-        # Reading the peaks is host-side allocator bookkeeping: no device synchronization.
-        peaks = (
-            (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-            if stepped and device is not None
-            else None
-        )
-        if self._epoch_metrics is not None and not self._plain_batch:
-            self._epoch_metrics.update(stats, *(peaks or (None, None)))
-        if not will_log:
-            return
-        metrics: dict[str, float] = {}
-        if peaks is not None:
-            metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
-            metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
-        metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
-        metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
-        if self.options.mode == "streamed" and device is not None:
-            metrics["offload/stall_ms"] = stats.stall_ms
-        if self.options.measure_copies and device is not None:
-            metrics["offload/d2h_gbps"] = stats.d2h_gbps()
-            metrics["offload/h2d_gbps"] = stats.h2d_gbps()
-        shown = "offload/peak_allocated_gib" if device is not None else "offload/offloaded_gib"
-        for key, value in metrics.items():
-            prog_bar = self.progress_bar and key == shown
-            pl_module.log(key, value, on_step=True, on_epoch=False, logger=True, prog_bar=prog_bar, batch_size=1)
-
-    def _setup_reporting(self, trainer: pl.Trainer, device: torch.device) -> None:
-        options = self.options
-        self._epoch_metrics = OffloadEpochMetrics(
-            cuda=self._cuda_device() is not None,
-            streamed=options.mode == "streamed",
-            measure_copies=options.measure_copies,
-        )
-        if self._picture is not None:
-            # The comparison batch skips offloading for one whole optimizer step; under accumulation, manual
-            # optimization or LBFGS a batch is not one whole step, and with mode="off" there is nothing to compare.
-            compare_allowed = (
-                options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
-            )
-            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=compare_allowed)
+        if self._engine is not None and self._engine.planner is not None:
+            self._engine.planner.remove()
 
     def _picture_title(self) -> str:
-        options = self.options
-        return f"ActivationOffloadCallback(mode={options.mode!r}): one training step"
+        return f"ActivationOffloadCallback(mode={self.options.mode!r}): one training step"
 
-    def _log_epoch(self, pl_module: pl.LightningModule) -> None:
-        summaries = self._epoch_metrics
-        engine = self._engine
-        if summaries is None or engine is None or not self._active:
-            return
-        engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
-        # Every process computes (the reduction is collective), and logs the same reduced values. ``sync_dist``
-        # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
-        for key, value in summaries.compute(pl_module.device).items():
-            pl_module.log(key, value, on_step=False, on_epoch=True, logger=True, batch_size=1, sync_dist=True)
+
+ActivationOffloadCallback.__doc__ = (ActivationOffloadCallback.__doc__ or "").replace(
+    " " * 8 + "{options}", option_docs(8)
+)
+
+
+def _shapes(batch: Any) -> tuple[Any, ...]:
+    """The shapes of the tensors in a batch (any nesting of lists, tuples and dicts)."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple(tuple(leaf.shape) for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+
+
+def _require_trainer(trainer: Any, hook: str) -> None:
+    """Refuse to run outside a Lightning ``Trainer`` (e.g. ``fabric.call``), where ``setup`` never built the engine.
+
+    Without this, the hook would return without offloading anything, and nothing would say so.
+    """
+    trainers: tuple[type, ...] = (pl.Trainer,)
+    # The twin's trainer, when ``pytorch_lightning`` is in use (imported: no import cost for anyone else).
+    standalone = getattr(sys.modules.get("pytorch_lightning"), "Trainer", None)
+    if isinstance(standalone, type):
+        trainers = (*trainers, standalone)
+    if not isinstance(trainer, trainers):
+        raise RuntimeError(
+            f"ActivationOffloadCallback.{hook}(trainer={type(trainer).__name__}): the callback runs inside a "
+            "Lightning Trainer, whose setup builds the offloading engine; called any other way (such as "
+            "fabric.call) it would offload nothing. In a Fabric loop use "
+            "`off = lightning_offload.fabric.fabric_offload(fabric, model)` and `with off:` around each forward."
+        )
 
 
 def _builds_layers_after_setup(pl_module: pl.LightningModule) -> bool:
@@ -441,8 +404,3 @@ def _require_matplotlib() -> None:
             "not installed; install it with `pip install matplotlib` (or `pip install lightning-offload[plot]`), "
             "or pass memory_picture=False"
         ) from err
-
-
-def _will_log(trainer: pl.Trainer) -> bool:
-    connector = getattr(trainer, "_logger_connector", None)
-    return bool(getattr(connector, "should_update_logs", True))

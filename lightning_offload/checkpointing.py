@@ -102,6 +102,9 @@ def _drop_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @functools.cache
 def _warn_cache_once(class_name: str, keys: tuple[str, ...]) -> None:
+    # Every process of a distributed run trains the same model: one warning (rank zero's) says it all.
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
     warnings.warn(
         f"apply_checkpointing: {class_name} was called with {list(keys)} in training; a checkpointed block runs "
         "twice, so its key/value cache is disabled there. Pass use_cache=False when training to silence this.",

@@ -1,12 +1,23 @@
-"""``OffloadCLI``: a ``LightningCLI`` with an ``--offload.*`` flag group for activation offloading, on any model."""
+"""``OffloadCLI``: a ``LightningCLI`` with an ``--offload.*`` flag group, a shorthand for the standard way.
+
+The standard way needs nothing from this module: ``ActivationOffloadCallback`` is a callback like any other, so a
+plain ``LightningCLI`` takes it under ``trainer.callbacks`` in YAML (``configs/offload.yaml`` appends it to the
+callbacks a config already lists) or from the command line::
+
+    python train.py fit --trainer.callbacks+=lightning_offload.ActivationOffloadCallback \\
+        --trainer.callbacks.init_args.mode=sync
+
+``OffloadCLI`` only adds shorter flags (``--offload.mode=sync``) and always trains with exactly one offloading
+callback.
+"""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from jsonargparse import Namespace
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_offload.callback import ActivationOffloadCallback
@@ -20,10 +31,11 @@ class OffloadCLI(LightningCLI):
     """``LightningCLI`` that always trains with one :class:`~lightning_offload.ActivationOffloadCallback`.
 
     Its options form the ``--offload.*`` group (``--offload.mode=sync``, ``--offload.memory_picture=true``, ...; see
-    ``--help``), next to ``--trainer.*``, ``--model.*`` and ``--data.*``, for any LightningModule. A config file may
-    set them under ``offload:`` or list the callback under ``trainer.callbacks`` (as ``configs/offload.yaml``
-    does); in the second case that entry configures the callback and the ``--offload.*`` values that differ from
-    the defaults are applied on top of it, so there is still exactly one callback.
+    ``--help``), next to ``--trainer.*``, ``--model.*`` and ``--data.*``, for any LightningModule; a config file may
+    set them under ``offload:``. When a config also lists the callback under ``trainer.callbacks`` (as
+    ``configs/offload.yaml`` does), that entry configures the callback, every ``--offload.*`` value you give (on the
+    command line or under ``offload:``) applies on top of it, and the entry gives way to the group's callback: there
+    is still exactly one. Every other listed callback stays.
 
     Example::
 
@@ -33,7 +45,7 @@ class OffloadCLI(LightningCLI):
         if __name__ == "__main__":
             OffloadCLI(MyModel, MyDataModule)
 
-        # python train.py fit --offload.mode=streamed --offload.max_offload_bytes=4294967296
+        # python train.py fit --config my.yaml --config configs/offload.yaml --offload.mode=streamed
 
     Takes the arguments of ``LightningCLI``.
     """
@@ -43,17 +55,31 @@ class OffloadCLI(LightningCLI):
         parser.add_lightning_class_args(ActivationOffloadCallback, GROUP)
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        # Parsed again without defaults: what the user gave, so that a given value wins over a listed callback's
+        # even when it equals the default (``--offload.mode=streamed`` over a YAML ``mode: sync``).
+        if isinstance(args, (dict, Namespace)):
+            given = parser.parse_object(args, defaults=False)
+        else:
+            given = parser.parse_args(args, defaults=False)
+        subcommand = self.config.get("subcommand")
+        scope = given.get(subcommand) if subcommand else given
+        group = scope.get(GROUP) if scope is not None else None
+        self._given_offload = set(_as_dict(group))
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand is not None else self.config
-        _fold_listed_callback(config)
+        _fold_listed_callback(config, getattr(self, "_given_offload", set()))
 
 
-def _fold_listed_callback(config: Any) -> None:
+def _fold_listed_callback(config: Any, given: set[str]) -> None:
     """Move an ``ActivationOffloadCallback`` listed in ``trainer.callbacks`` into the ``offload`` group.
 
     ``add_lightning_class_args`` always instantiates the group's callback, and two offloading callbacks cannot both
-    run (saved-tensor hooks stack; only the innermost would act), so the listed one becomes the group's settings,
-    with the group's non-default values on top.
+    run (saved-tensor hooks stack; only the innermost would act), so the listed entry's arguments become the group's
+    values, except those the user gave for the group (``given``), which win.
     """
     trainer = config.get("trainer")
     group = config.get(GROUP)
@@ -67,10 +93,9 @@ def _fold_listed_callback(config: Any) -> None:
     if len(listed) != 1:
         return  # none, or several: the callback's setup explains why several cannot run
     entry = listed[0]
-    explicit = {name: value for name, value in _as_dict(group).items() if value != _DEFAULTS.get(name, value)}
-    merged = {**_as_dict(entry.get("init_args")), **explicit}
-    for name, value in merged.items():
-        group[name] = value
+    for name, value in _as_dict(entry.get("init_args")).items():
+        if name not in given:
+            group[name] = value
     remaining = [other for other in entries if other is not entry]
     trainer["callbacks"] = remaining if isinstance(callbacks, list) else (remaining[0] if remaining else None)
 
@@ -94,10 +119,3 @@ def _as_dict(namespace: Any) -> dict[str, Any]:
     if isinstance(namespace, dict):
         return dict(namespace)
     return dict(vars(namespace))
-
-
-_DEFAULTS: dict[str, Any] = {
-    name: parameter.default
-    for name, parameter in inspect.signature(ActivationOffloadCallback.__init__).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
-}

@@ -13,13 +13,23 @@ step, so the in-flight curve is a lower bound; memory figures are exact. On the 
 where CUDA figures do not exist, the process's resident set size stands in for allocated memory.
 
 Only the global-zero process records; the others train as usual.
+
+With ``snapshot=True`` (the callback's ``memory_snapshot=True``) the recorded offloading step is also captured by
+the CUDA caching allocator's own history (``torch.cuda.memory._record_memory_history``) and written beside the PNG
+as ``offload_memory_snapshot.pickle``, for PyTorch's memory viewer (``torch.cuda.memory._dump_snapshot``'s format:
+every allocation and free of the step with its Python stack). Recording starts with a cleared history and is
+switched off after the step. On any other device there is no allocator history: nothing is written, with one
+warning.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
+import pickle
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,11 +47,15 @@ __all__ = ["MemoryPicture"]
 
 Kind = Literal["offloaded", "baseline"]
 FILENAME = "offload_memory_picture.png"
+SNAPSHOT_FILENAME = "offload_memory_snapshot.pickle"
 TAG = "offload/memory_picture"
 
 # The first batch allocates the host pool and gives the engine its forward profile; the step after it is the one
 # every later step looks like.
 _WARMUP_BATCHES = 1
+# Allocator events kept for the snapshot: a training step of a large model makes tens of thousands; each entry with
+# its Python stack is a few KiB, so this bounds the file to a few hundred MiB.
+_SNAPSHOT_MAX_ENTRIES = 100_000
 
 
 @dataclass
@@ -71,11 +85,17 @@ class MemoryPicture:
     Args:
         compare: also record one step without offloading. It needs the memory the offloading saves, so turn it off
             when the model only fits with offloading.
+        snapshot: also record the offloading step's allocator history and write it as
+            ``offload_memory_snapshot.pickle`` beside the PNG (CUDA only; elsewhere a warning and no file).
     """
 
-    def __init__(self, compare: bool = True) -> None:
+    def __init__(self, compare: bool = True, snapshot: bool = False) -> None:
         self.compare = compare
+        self.snapshot = snapshot
         self.path: Path | None = None  # where the PNG went, once written
+        self.snapshot_path: Path | None = None  # where the allocator snapshot went, once written
+        self._snapshot: dict[str, Any] | None = None  # the recorded step's allocator snapshot, until written
+        self._recording_history = False
         self._plan: dict[int, Kind] = {}
         self._traces: list[_Trace] = []
         self._trace: _Trace | None = None
@@ -89,7 +109,8 @@ class MemoryPicture:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_handles=[], _engine=None, _trace=None, _next=None)  # hooks and the engine do not cross processes
+        # Hooks, the engine and the allocator's recording do not cross processes.
+        state.update(_handles=[], _engine=None, _trace=None, _next=None, _recording_history=False)
         return state
 
     # ------------------------------------------------------------------ the callback's hooks
@@ -104,6 +125,7 @@ class MemoryPicture:
         self.close()
         self._traces = []
         self._trace = None
+        self._snapshot = None
         self._batches = 0
         self._plan = {}
         if record:
@@ -168,6 +190,8 @@ class MemoryPicture:
         for module in model.modules():
             self._handles.append(module.register_forward_pre_hook(self._on_forward_pre))
             self._handles.append(module.register_forward_hook(self._on_forward))
+        if self.snapshot and kind == "offloaded":
+            self._start_history(device)
 
     def mark(self, phase: str) -> None:
         """Note that ``phase`` ("backward", "optimizer") starts now."""
@@ -184,6 +208,8 @@ class MemoryPicture:
             return
         self.sample()
         trace.marks["end"] = trace.t[-1]
+        if self._recording_history:
+            self._snapshot = torch.cuda.memory._snapshot(self._device)
         self.close()
         self._traces.append(trace)
         self._trace = None
@@ -195,10 +221,13 @@ class MemoryPicture:
         return bool(self._plan) and all(kind in recorded for kind in self._plan.values())
 
     def close(self) -> None:
-        """Remove the hooks (idempotent); tensors already holding a gradient hook sample no more."""
+        """Remove the hooks and stop the allocator's recording (idempotent); gradient hooks sample no more."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        if self._recording_history:
+            self._recording_history = False
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def sample(self) -> None:
         """Record the memory figures now."""
@@ -223,6 +252,22 @@ class MemoryPicture:
         trace.host_held.append(held)
         trace.inflight.append(inflight)
         trace.offloaded.append(offloaded)
+
+    def _start_history(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            warnings.warn(
+                f"MemoryPicture(snapshot=True): the step runs on {device.type!r}; an allocator snapshot exists only "
+                "for CUDA, so no offload_memory_snapshot.pickle is written (the memory picture is).",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        options: dict[str, Any] = {"context": "all", "stacks": "python", "max_entries": _SNAPSHOT_MAX_ENTRIES}
+        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+            # The file holds this step's allocations and frees, not those of a recording the user made earlier.
+            options["clear_history"] = True
+        torch.cuda.memory._record_memory_history("all", **options)
+        self._recording_history = True
 
     def _sync(self) -> None:
         if self._device is not None and self._device.type == "cuda":
@@ -260,6 +305,13 @@ class MemoryPicture:
         self._done = True
         if not self._traces:
             return None
+        if self._snapshot is not None:
+            snapshot_path = Path(log_dir) / SNAPSHOT_FILENAME
+            snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(snapshot_path, "wb") as handle:
+                pickle.dump(self._snapshot, handle)
+            self._snapshot = None
+            self.snapshot_path = snapshot_path
         import numpy as np
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -89,6 +89,11 @@ class OffloadOptions:
     on_host_full: OnHostFull = "warn"
     measure_copies: bool = False
 
+    @classmethod
+    def names(cls) -> list[str]:
+        """The option names, in signature order."""
+        return [f.name for f in fields(cls)]
+
     @property
     def plans(self) -> bool:
         """Whether a memory-budget planner decides what each step offloads and checkpoints."""
@@ -218,3 +223,13 @@ def _parse_device(caller: str, value: Any) -> torch.device | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def option_docs(indent: int) -> str:
+    """The ``Attributes`` section of :class:`OffloadOptions`, re-indented by ``indent`` spaces: the one text of the
+    options, which the callback's docstring (and so its ``--help``) embeds as ``Args``."""
+    doc = OffloadOptions.__doc__ or ""
+    lines = doc.split("Attributes:\n", 1)[1].splitlines()
+    body = [line for line in lines if line.strip()]
+    base = min(len(line) - len(line.lstrip()) for line in body)
+    return "\n".join(" " * indent + line[base:] for line in body)

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing
+from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.host_pool import pool_for
 from tests.models import MLP, CheckpointModel
@@ -873,7 +873,7 @@ def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monk
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", peaks.read)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", peaks.read)
-    monkeypatch.setattr(ActivationOffloadCallback, "_cuda_device", lambda self: CPU)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
 
     class PeakNet(LitNet):
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:

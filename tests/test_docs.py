@@ -1,23 +1,35 @@
-"""The README and CI stay in step with the code: every option, every logged key, the two commands."""
+"""The README and CI stay in step with the code: every option, every logged key, the install and test commands."""
 
 from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from lightning_offload import ActivationOffloadCallback, metrics
+from lightning_offload import ActivationOffloadCallback, OffloadOptions, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
-INSTALL_AND_RUN = 'pip install -e ".[test]" && python examples/train_transformer.py'
+CPU_TORCH = "pip install torch==2.13.0"
+INSTALL = 'pip install -e ".[test]"'
+RUN_EXAMPLE = "python examples/train_transformer.py"
+# Set up and run the main example: with CUDA (pip's default torch), and on the CPU (torch's CPU build pinned first).
+CUDA_SETUP_AND_RUN = f"{INSTALL} && {RUN_EXAMPLE}"
+CPU_SETUP_AND_RUN = f"{CPU_TORCH} && {INSTALL} && {RUN_EXAMPLE}"
 TEST_COMMAND = "python -m pytest -q"
 
 
-def test_readme_has_the_two_commands() -> None:
-    assert INSTALL_AND_RUN in README
-    assert TEST_COMMAND in README
+def readme_code_lines() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+
+
+def test_readme_has_the_setup_and_test_commands() -> None:
+    lines = readme_code_lines()
+    for command in (CUDA_SETUP_AND_RUN, CPU_SETUP_AND_RUN, TEST_COMMAND):
+        assert command in lines, f"README has no code line {command!r}"
     assert (ROOT / "examples" / "train_transformer.py").is_file()
 
 
@@ -27,19 +39,52 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "set -euo pipefail" in script
     commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert commands[-1] == TEST_COMMAND
-    assert commands.index("pip install torch==2.13.0") < commands.index('pip install -e ".[test]"')
+    # CI sets up exactly as the README's CPU line does.
+    assert commands.index(CPU_TORCH) < commands.index(INSTALL)
     assert "ruff check ." in commands and "ruff format --check ." in commands
 
 
-def test_every_option_is_in_the_readme_table_with_its_default() -> None:
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)`", README, flags=re.MULTILINE)}
+def options_table() -> dict[str, str]:
+    """The README's ``## Options`` table: option name -> the default as shown."""
+    section = README.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)`", section, flags=re.MULTILINE)}
+
+
+def documented_options() -> dict[str, object]:
+    """Every option a user can set, with its default: the engine's (``OffloadOptions``) and the callback's own."""
+    options: dict[str, object] = {f.name: f.default for f in fields(OffloadOptions) if f.default is not MISSING}
     for name, parameter in inspect.signature(ActivationOffloadCallback.__init__).parameters.items():
-        if name == "self":
-            continue
-        assert name in rows, f"README's option table lacks {name}"
-        default = parameter.default
-        expected = f'"{default}"' if isinstance(default, str) else repr(default)
-        assert rows[name] == expected, f"README shows {name}={rows[name]}, the default is {expected}"
+        if name != "self":
+            options[name] = parameter.default  # the callback's default is the one a user meets
+    return options
+
+
+def shown(default: object) -> str:
+    return f'"{default}"' if isinstance(default, str) else repr(default)
+
+
+def test_every_option_is_in_the_readme_table_with_its_default() -> None:
+    rows = options_table()
+    for name, default in documented_options().items():
+        source = "OffloadOptions" if name in {f.name for f in fields(OffloadOptions)} else "ActivationOffloadCallback"
+        assert name in rows, f"README's options table has no row for `{name}` (an option of {source}): add one"
+        assert rows[name] == shown(default), f"README shows {name}={rows[name]}, the default is {shown(default)}"
+
+
+def test_the_readme_table_has_no_option_the_code_lacks() -> None:
+    extra = sorted(set(options_table()) - set(documented_options()))
+    assert not extra, f"README's options table documents {extra}, which no longer exist"
+
+
+def test_no_document_claims_auto_offloading_is_free() -> None:
+    """``max_offload_bytes="auto"`` is known to offload far too much (3x step time on the H200)."""
+    texts = {
+        "README.md": README,
+        "the callback's docstring": ActivationOffloadCallback.__doc__ or "",
+        "configs/offload.yaml": (ROOT / "configs" / "offload.yaml").read_text(),
+    }
+    for where, text in texts.items():
+        assert "almost no step time" not in text, where
 
 
 def test_every_logged_key_is_documented() -> None:

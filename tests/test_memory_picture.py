@@ -15,12 +15,11 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offload import ActivationOffloadCallback
-from lightning_offload.memory_picture import FILENAME, TAG, MemoryPicture
+from lightning_offload.memory_picture import FILENAME, SNAPSHOT_FILENAME, TAG, MemoryPicture
 from tests.tiny_modules import OFFLOAD_ALL, make_module, trainer_kwargs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*but have no logger configured:UserWarning"),
 ]
 
 
@@ -179,3 +178,42 @@ def test_memory_picture_without_matplotlib_fails_at_construction(monkeypatch: py
     assert message.startswith("ActivationOffloadCallback(memory_picture=True): "), message
     assert "pip install matplotlib" in message and "lightning-offload[plot]" in message, message
     assert ActivationOffloadCallback(compute_device="cpu", memory_picture=False)._picture is None
+
+
+def test_memory_snapshot_on_cpu_warns_and_writes_only_the_picture(tmp_path: Path) -> None:
+    callback = ActivationOffloadCallback(mode="sync", memory_picture=True, memory_snapshot=True, **OFFLOAD_ALL)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, logger=False, callbacks=[callback]))
+    with pytest.warns(UserWarning, match=r"snapshot=True\): the step runs on 'cpu'.*only for CUDA") as caught:
+        trainer.fit(make_module(pl))
+    assert len([w for w in caught if "snapshot=True" in str(w.message)]) == 1  # once per fit, not per sample
+    assert_picture(tmp_path / FILENAME)
+    assert not (tmp_path / SNAPSHOT_FILENAME).exists()
+    assert callback._picture is not None and callback._picture.snapshot_path is None
+
+
+def test_memory_snapshot_needs_the_memory_picture() -> None:
+    with pytest.raises(ValueError, match=r"memory_snapshot=True, memory_picture=False\).*pass memory_picture=True"):
+        ActivationOffloadCallback(memory_snapshot=True)
+    with pytest.raises(TypeError, match=r"memory_snapshot='yes'\): memory_snapshot must be True or False"):
+        ActivationOffloadCallback(memory_picture=True, memory_snapshot="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_snapshot_on_cuda_holds_the_recorded_step(tmp_path: Path) -> None:
+    import pickle
+
+    callback = ActivationOffloadCallback(
+        mode="streamed", min_tensor_bytes=1024, resident_tail_bytes=0, memory_picture=True, memory_snapshot=True
+    )
+    kwargs = trainer_kwargs(tmp_path, max_steps=4, logger=False, callbacks=[callback], accelerator="cuda")
+    pl.Trainer(**kwargs).fit(make_module(pl))
+    path = tmp_path / SNAPSHOT_FILENAME
+    assert callback._picture is not None and callback._picture.snapshot_path == path
+    assert_picture(tmp_path / FILENAME)
+    with open(path, "rb") as handle:
+        snapshot = pickle.load(handle)
+    assert {"segments", "device_traces"} <= set(snapshot)
+    events = [entry for trace in snapshot["device_traces"] for entry in trace]
+    assert any(entry["action"] == "alloc" for entry in events)
+    assert any(entry["action"].startswith("free") for entry in events)

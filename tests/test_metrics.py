@@ -31,7 +31,6 @@ from tests.tiny_modules import OFFLOAD_ALL, make_module, trainer_kwargs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*but have no logger configured:UserWarning"),
 ]
 
 CPU = torch.device("cpu")
@@ -187,15 +186,15 @@ def test_progress_bar_shows_memory(tmp_path: Path, progress_bar: bool) -> None:
 def test_callback_pickles_before_and_after_fit(tmp_path: Path) -> None:
     """``ddp_spawn`` pickles callbacks before ``setup``; the metric objects are made later, in the worker."""
     callback = ActivationOffloadCallback(mode="sync", **OFFLOAD_ALL)
-    assert pickle.loads(pickle.dumps(callback))._epoch_metrics is None
+    assert pickle.loads(pickle.dumps(callback))._reporter.epoch_metrics is None
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=2, logger=False, callbacks=[callback]))
     trainer.fit(make_module(pl))
-    assert callback._epoch_metrics is not None
-    assert callback._epoch_metrics._metrics is not None
+    assert callback._reporter.epoch_metrics is not None
+    assert callback._reporter.epoch_metrics._metrics is not None
     # (The callback itself holds the module's bound ``log`` after a fit, which Lightning attaches.)
-    clone = pickle.loads(pickle.dumps(callback._epoch_metrics))
+    clone = pickle.loads(pickle.dumps(callback._reporter.epoch_metrics))
     assert clone._metrics is None
-    assert clone.keys == callback._epoch_metrics.keys
+    assert clone.keys == callback._reporter.epoch_metrics.keys
 
 
 def test_rejects_non_bool_flags() -> None:

@@ -20,7 +20,6 @@ from tests.tiny_modules import OFFLOAD_ALL, make_module, trainer_kwargs  # noqa:
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*but have no logger configured:UserWarning"),
 ]
 
 

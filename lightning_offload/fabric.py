@@ -1,0 +1,96 @@
+"""Activation offloading in a Lightning Fabric training loop.
+
+Fabric has no training loop of its own, so there is no hook to drive a callback from: the loop enters the engine
+around each forward itself. :func:`fabric_offload` builds that engine for the process Fabric runs: on Fabric's
+device, with the default host limit split between the processes Fabric launched on this machine.
+
+Example::
+
+    from lightning.fabric import Fabric
+    from lightning_offload.fabric import fabric_offload
+
+    fabric = Fabric(accelerator="cuda", devices=2, strategy="ddp")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    off = fabric_offload(fabric, model)  # once: the pinned pool, the streams and the profile are reused
+    for batch in fabric.setup_dataloaders(loader):
+        with off:  # the activations saved in forward go to host memory
+            loss = model(batch)
+        fabric.backward(loss)  # and come back as backward needs them
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_offload.context import offload_activations
+from lightning_offload.engine import OffloadEngine
+
+__all__ = ["fabric_offload"]
+
+
+def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options: Any) -> OffloadEngine:
+    """An offloading engine for the process ``fabric`` runs: enter it around each forward of the training loop.
+
+    Call it after ``fabric.launch()`` (each process builds its own engine, with its own pinned pool).
+
+    Args:
+        fabric: a launched ``lightning.fabric.Fabric``.
+        model: the model (as ``fabric.setup`` returned it, or the plain module): its parameters and buffers are
+            never offloaded, and ``checkpoint=`` applies to its blocks.
+        **options: the options of :func:`lightning_offload.offload_activations` (``mode``, ``max_offload_bytes``,
+            ``checkpoint``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA; on any other
+            device pass ``compute_device="cpu"`` (which runs the engine on CPU tensors, for tests) or do not
+            offload. ``host_memory_limit=None`` splits 80% of the available RAM between the processes Fabric
+            runs on this machine.
+
+    Returns:
+        An :class:`~lightning_offload.OffloadEngine`: a reusable context manager whose ``stats`` describe the
+        latest forward.
+
+    Raises:
+        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, or ``local_processes`` was
+            passed (it comes from Fabric).
+    """
+    if "local_processes" in options:
+        raise ValueError(
+            f"fabric_offload(local_processes={options['local_processes']!r}): the process count comes from "
+            "Fabric's strategy; leave it out"
+        )
+    device = torch.device(fabric.device)
+    if options.get("compute_device") is None:
+        if device.type != "cuda":
+            raise ValueError(
+                f"fabric_offload(fabric): Fabric runs on {str(device)!r}, not CUDA, so there is nothing to offload. "
+                "Pass compute_device='cpu' to exercise the engine on CPU tensors, or leave offloading out on this "
+                "device."
+            )
+        options["compute_device"] = device
+    checkpoint = options.pop("checkpoint", None)
+    engine = offload_activations(**options, model=model, local_processes=local_processes(fabric))
+    if checkpoint is not None:
+        if model is None:
+            raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
+        from lightning_offload.checkpointing import apply_checkpointing
+
+        # ``fabric.setup`` wraps the module (and DDP inside the wrapper); the blocks belong to the original.
+        apply_checkpointing(getattr(model, "module", model) if _is_fabric_wrapper(model) else model, checkpoint)
+    return engine
+
+
+def local_processes(fabric: Any) -> int:
+    """The processes ``fabric`` runs on this machine: one per local device for DDP, FSDP and the like, else 1.
+
+    (Fabric's launchers do not export ``LOCAL_WORLD_SIZE``; the strategy knows the count.)
+    """
+    count = getattr(fabric.strategy, "num_processes", 1)
+    return count if isinstance(count, int) and count >= 1 else 1
+
+
+def _is_fabric_wrapper(model: Any) -> bool:
+    # ``_FabricModule`` keeps the module it runs as ``_forward_module`` and the one the user passed as ``module``.
+    return hasattr(model, "_forward_module") and isinstance(getattr(model, "module", None), torch.nn.Module)

@@ -1,0 +1,121 @@
+"""What the Lightning callback logs: per-step figures, the memory-budget plan, and epoch summaries.
+
+Peaks are per optimizer step (all micro-batches of an accumulation window): the counters are reset at the first
+batch of every step, the first batch of every fit included, so no figure carries memory from before the fit.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.metrics import OffloadEpochMetrics
+from lightning_offload.options import GiB, OffloadOptions
+from lightning_offload.stats import OffloadStats
+
+
+class StepReporter:
+    """Measures and logs one training batch after another for :class:`~lightning_offload.ActivationOffloadCallback`.
+
+    Args:
+        options: the callback's options (which figures exist depends on the mode and ``measure_copies``).
+        progress_bar: show the step's peak (or, on the CPU, the offloaded GiB) in the progress bar.
+    """
+
+    def __init__(self, options: OffloadOptions, progress_bar: bool) -> None:
+        self.options = options
+        self.progress_bar = progress_bar
+        self.cuda: torch.device | None = None
+        self.epoch_metrics: OffloadEpochMetrics | None = None
+        self._new_step = True  # the next batch opens a new optimizer step
+        self._stepped = False  # an optimizer step ran in this batch
+
+    def start_fit(self, device: torch.device) -> None:
+        """A fit begins on ``device``: fresh epoch summaries, and the next batch opens a new step."""
+        self.cuda = peak_device(device)
+        self.epoch_metrics = OffloadEpochMetrics(
+            cuda=self.cuda is not None,
+            streamed=self.options.mode == "streamed",
+            measure_copies=self.options.measure_copies,
+        )
+        self._new_step, self._stepped = True, False
+
+    def start_batch(self) -> None:
+        """Reset the peak counters when this batch opens an optimizer step (after the engine started its step)."""
+        if self.cuda is not None and self._new_step:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+        self._new_step = False
+
+    def optimizer_stepped(self) -> None:
+        self._stepped = True
+
+    def end_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine, plain: bool
+    ) -> OffloadStats:
+        """Log the batch's figures; returns its stats. ``plain``: the batch ran without offloading on purpose."""
+        stepped = self._stepped or not pl_module.automatic_optimization
+        self._new_step, self._stepped = stepped, False
+        # Timing events are waited for only when the logger writes: anything else would sync every step.
+        will_log = bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+        stats = engine.collect_stats(wait=will_log)
+        if plain:
+            # The memory picture's comparison batch offloaded nothing: log that (and its real peak), and keep it out
+            # of the epoch summaries, which describe offloading.
+            stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
+        cuda = self.cuda
+        # Reading the peaks is host-side allocator bookkeeping: no device synchronization.
+        peaks = (
+            (torch.cuda.max_memory_allocated(cuda), torch.cuda.max_memory_reserved(cuda)) if stepped and cuda else None
+        )
+        if self.epoch_metrics is not None and not plain:
+            self.epoch_metrics.update(stats, *(peaks or (None, None)))
+        if not will_log:
+            return stats
+        metrics: dict[str, float] = {}
+        if peaks is not None:
+            metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
+            metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
+        metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
+        metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
+        if self.options.mode == "streamed" and cuda is not None:
+            metrics["offload/stall_ms"] = stats.stall_ms
+        if self.options.measure_copies and cuda is not None:
+            metrics["offload/d2h_gbps"] = stats.d2h_gbps()
+            metrics["offload/h2d_gbps"] = stats.h2d_gbps()
+        planner = engine.planner
+        if planner is not None and planner.plan is not None:
+            plan = planner.plan
+            metrics["offload/memory_budget_gib"] = planner.budget / GiB
+            metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB
+            metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks)
+            metrics["offload/plan_peak_gib"] = plan.peak / GiB
+        shown = "offload/peak_allocated_gib" if cuda is not None else "offload/offloaded_gib"
+        # Without a logger the values still reach ``trainer.callback_metrics`` and the progress bar; asking for the
+        # logger anyway would make Lightning warn once per key.
+        to_logger = bool(trainer.loggers)
+        for key, value in metrics.items():
+            prog_bar = self.progress_bar and key == shown
+            pl_module.log(key, value, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
+        return stats
+
+    def end_epoch(self, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
+        summaries = self.epoch_metrics
+        if summaries is None:
+            return
+        engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
+        # Every process computes (the reduction is collective), and logs the same reduced values. ``sync_dist``
+        # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
+        to_logger = bool(pl_module.loggers)
+        for key, value in summaries.compute(pl_module.device).items():
+            pl_module.log(key, value, on_step=False, on_epoch=True, logger=to_logger, batch_size=1, sync_dist=True)
+
+    def discard(self) -> None:
+        """Forget the epoch so far (a step raised)."""
+        if self.epoch_metrics is not None:
+            self.epoch_metrics.reset()
+
+
+def peak_device(device: torch.device) -> torch.device | None:
+    """The device whose allocator peaks are measured: ``device`` on CUDA; none elsewhere (no such counters)."""
+    return device if device.type == "cuda" else None

@@ -1,0 +1,162 @@
+"""``lightning_offload.fabric.fabric_offload`` in Fabric training loops, one process and two (CPU, gloo).
+
+Both run ``tests/fabric_script.py``'s loop: a tiny per-token MLP trained for three SGD steps without and then with
+offloading, seeded alike. One process runs it in this process; two processes run the script in a subprocess (with
+``strategy="ddp"``, ``fabric.launch()`` starts the second rank by running the script again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_offload import ActivationOffloadCallback
+from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.fabric import fabric_offload
+from lightning_offload.options import GiB
+from tests.fabric_script import OFFLOAD_OPTIONS, STEPS, batch_for, train
+from tests.tiny_modules import OFFLOAD_ALL
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("fabric_script.py")
+TIMEOUT_S = 150
+# Variables of an enclosing launcher that would stop Fabric from starting its own processes, or skew them.
+LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "GLOBAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+# The default host limit: 80% of the RAM available when the engine first copies, shared by the local processes.
+HOST_SHARE = 0.8
+
+
+def load(out: Path, name: str) -> Any:
+    path = out / name
+    assert path.exists(), f"the run wrote no {name}"
+    return torch.load(path, weights_only=True) if path.suffix == ".pt" else json.loads(path.read_text())
+
+
+def assert_same_params(out: Path, rank: int) -> None:
+    baseline, offload = load(out, f"baseline_params_rank{rank}.pt"), load(out, f"offload_params_rank{rank}.pt")
+    assert baseline.keys() == offload.keys()
+    different = [name for name in baseline if not torch.equal(baseline[name], offload[name])]
+    assert not different, f"rank {rank}: parameters differ from the run without offloading: {different}"
+
+
+def assert_host_limit_split(record: dict[str, Any], processes: int) -> None:
+    expected = record["pool_reserved_at_start"] + record["available_at_start"] * HOST_SHARE / processes
+    assert record["local_processes"] == processes
+    assert record["host_limit"] == pytest.approx(expected, rel=0.05), (
+        f"host limit {record['host_limit'] / GiB:.2f} GiB, expected about {expected / GiB:.2f} GiB "
+        f"(available {record['available_at_start'] / GiB:.2f} GiB * {HOST_SHARE} / {processes} processes)"
+    )
+
+
+def test_one_process_matches_training_without_offloading(tmp_path: Path) -> None:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.launch()
+    train(fabric, tmp_path, offload=False)
+    train(fabric, tmp_path, offload=True)
+    assert_same_params(tmp_path, 0)
+    record = load(tmp_path, "offload_rank0.json")
+    assert len(record["offloaded_bytes"]) == STEPS and all(b > 0 for b in record["offloaded_bytes"])
+    assert_host_limit_split(record, processes=1)
+
+
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
+def test_two_processes_match_training_without_offloading_and_split_the_host_limit(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    # A session of its own, so a hung run is killed with the rank it started (and only those).
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"no result within {TIMEOUT_S} s; output:\n{log[-6000:]}")
+    assert proc.returncode == 0, log[-6000:]
+    records = [load(tmp_path, f"offload_rank{rank}.json") for rank in range(2)]
+    assert len({r["pid"] for r in records}) == 2, "the ranks did not run in separate processes"
+    for rank, record in enumerate(records):
+        assert_same_params(tmp_path, rank)
+        assert record["world_size"] == 2
+        assert len(record["offloaded_bytes"]) == STEPS and all(b > 0 for b in record["offloaded_bytes"])
+        assert_host_limit_split(record, processes=2)
+    # Each rank offloaded its own activations (rank 1's sequences are longer), and DDP kept the replicas equal.
+    assert records[1]["offloaded_bytes"][0] > records[0]["offloaded_bytes"][0]
+    params = [load(tmp_path, f"offload_params_rank{rank}.pt") for rank in range(2)]
+    assert all(torch.equal(params[0][name], params[1][name]) for name in params[0])
+
+
+def test_checkpoint_applies_to_the_module_fabric_wrapped(tmp_path: Path) -> None:
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.launch()
+    batch = batch_for(0, 0)
+    reference = Blocks()
+    F.mse_loss(reference(batch), batch).backward()
+    module = Blocks()
+    model = fabric.setup_module(module)
+    off = fabric_offload(fabric, model, checkpoint="auto", **OFFLOAD_OPTIONS)
+    assert checkpointed_modules(module) == ["layers.0", "layers.1", "layers.2"]
+    with off:
+        loss = F.mse_loss(model(batch), batch)
+    fabric.backward(loss)
+    assert off.stats.offloaded_bytes > 0
+    for (name, want), got in zip(reference.named_parameters(), module.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad), name
+
+
+def test_cpu_fabric_without_compute_device_is_refused() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match=r"fabric_offload\(fabric\): Fabric runs on 'cpu', not CUDA.*compute_device"):
+        fabric_offload(fabric, nn.Linear(2, 2))
+
+
+def test_process_count_comes_from_fabric() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match=r"fabric_offload\(local_processes=4\): the process count comes from"):
+        fabric_offload(fabric, compute_device="cpu", local_processes=4)
+    assert fabric_offload(fabric, compute_device="cpu").local_processes == 1
+
+
+def test_callback_through_fabric_call_raises_and_names_the_fabric_helper() -> None:
+    """``Fabric(callbacks=[...])`` + ``fabric.call`` never runs the callback's ``setup``: it must not do nothing."""
+    callback = ActivationOffloadCallback(mode="sync", **OFFLOAD_ALL)
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[callback])
+    model = fabric.setup_module(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"on_train_batch_start\(trainer=Fabric\).*fabric_offload\(fabric, model\)"):
+        fabric.call("on_train_batch_start", fabric, model, torch.zeros(2, 4), 0)

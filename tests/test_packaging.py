@@ -1,0 +1,145 @@
+"""Packaging: every import is a declared dependency, the wheel carries py.typed and the licence, one version."""
+
+from __future__ import annotations
+
+import ast
+import email.parser
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import lightning_offload
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+
+# Top-level import name -> the distribution that provides it (where the two differ, or it is worth saying).
+DISTRIBUTION = {
+    "torch": "torch",
+    "lightning": "lightning",
+    "pytorch_lightning": "pytorch-lightning",
+    "torchmetrics": "torchmetrics",
+    "psutil": "psutil",
+    "typing_extensions": "typing-extensions",
+    "jsonargparse": "jsonargparse",
+    "matplotlib": "matplotlib",
+    "numpy": "numpy",
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "tensorboard": "tensorboard",
+    "pytest": "pytest",
+    "transformers": "transformers",
+    "peft": "peft",
+    "pynvml": "nvidia-ml-py",
+    "torchtune": "torchtune",
+    "trl": "trl",
+    "accelerate": "accelerate",
+}
+# This repository's own modules: the package, the tests, and the module the examples share.
+LOCAL = {"lightning_offload", "tests", "demo_model"}
+# Modules whose imports of optional packages sit behind an extra (or a guard that names it).
+OPTIONAL_MODULES = {"cli.py", "pl_compat.py"}
+
+
+def requirement_name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Top-level names of the absolute imports in ``path`` (only those at module level with ``top_level_only``)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    names: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return {name for name in names if name not in sys.stdlib_module_names and name not in LOCAL}
+
+
+def python_files() -> list[Path]:
+    return [
+        path
+        for folder in ("lightning_offload", "examples", "tests", "docs", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    ]
+
+
+def test_every_import_is_declared_in_pyproject() -> None:
+    declared = {requirement_name(r) for r in PROJECT["dependencies"]}
+    for requirements in PROJECT["optional-dependencies"].values():
+        declared |= {requirement_name(r) for r in requirements}
+    for path in python_files():
+        for name in imports(path):
+            where = path.relative_to(ROOT)
+            assert name in DISTRIBUTION, f"{where} imports {name!r}: add its distribution to DISTRIBUTION here"
+            assert DISTRIBUTION[name] in declared, (
+                f"{where} imports {name!r}, but pyproject.toml declares no {DISTRIBUTION[name]!r} in dependencies "
+                "or any extra"
+            )
+
+
+def test_package_modules_import_only_core_dependencies_at_import_time() -> None:
+    """What ``import lightning_offload.<module>`` needs is installed by a plain ``pip install lightning-offload``."""
+    core = {requirement_name(r) for r in PROJECT["dependencies"]}
+    package = ROOT / "lightning_offload"
+    for path in sorted(package.glob("*.py")):
+        if path.name in OPTIONAL_MODULES:
+            continue
+        for name in imports(path, top_level_only=True):
+            assert DISTRIBUTION.get(name) in core, (
+                f"lightning_offload/{path.name} imports {name!r} at import time; pyproject.toml's dependencies "
+                f"lack {DISTRIBUTION.get(name, name)!r}"
+            )
+
+
+def test_version_is_written_once() -> None:
+    assert "version" not in PROJECT, "pyproject.toml sets a static version: read it from the package instead"
+    assert "version" in PROJECT["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_offload.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", lightning_offload.__version__)
+    assert f"## {lightning_offload.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_licence_is_apache_2() -> None:
+    assert PROJECT["license"] == "Apache-2.0"
+    assert PROJECT["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert not any(c.startswith("License ::") for c in PROJECT["classifiers"])  # SPDX string and classifier clash
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="setuptools is not installed")
+def test_wheel_ships_py_typed_the_licence_and_the_version(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "lightning_offload", source / "lightning_offload", ignore=shutil.ignore_patterns("*.pyc"))
+    out = tmp_path / "wheels"
+    # The installed setuptools, offline: what the test checks is this repository's configuration.
+    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    result = subprocess.run([*command, "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = email.parser.Parser().parsestr(archive.read(metadata_name).decode())
+    assert "lightning_offload/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
+    assert metadata["Version"] == lightning_offload.__version__
+    assert metadata["License-Expression"] == "Apache-2.0"
+    requires = {requirement_name(r) for r in metadata.get_all("Requires-Dist") if "extra ==" not in r}
+    assert {"torch", "lightning", "torchmetrics", "psutil", "typing-extensions"} <= requires
