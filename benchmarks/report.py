@@ -116,7 +116,9 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def copy_bound(compute: dict[str, Any], offloaded_bytes: float, link: dict[str, Any]) -> float | None:
-    """T_bound = max(T_fwd, D/B_d2h) + max(T_bwd, D/B_h2d) + T_opt (REFERENCE §2); ``None`` without a link."""
+    """The fastest step offloading ``D`` bytes can take: forward and backward each last as long as the longer of
+    their compute and their copies, T_bound = max(T_fwd, D/B_d2h) + max(T_bwd, D/B_h2d) + T_opt, with the link's
+    measured bandwidths B; ``None`` without a link measurement."""
     d2h, h2d = link.get("d2h_gbps"), link.get("h2d_gbps")
     if not d2h or not h2d:
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import os
 import platform
@@ -28,7 +27,17 @@ from typing import Any
 import torch
 
 from benchmarks import anchors, models
-from benchmarks.workloads import FLOOR_HEADROOM, MODES, WORKLOADS, Mode, Workload, engine_kwargs, ordered, tiny
+from benchmarks.workloads import (
+    FLOOR_HEADROOM,
+    MODES,
+    WORKLOADS,
+    Mode,
+    Workload,
+    engine_kwargs,
+    ordered,
+    planner_available,
+    tiny,
+)
 from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 
@@ -49,7 +58,7 @@ _HOOK_DICTS = (
 
 def memory_budget_available() -> bool:
     """Whether the engine takes ``memory_budget`` (the planner); rows that need it say so when it does not."""
-    return "memory_budget" in inspect.signature(offload_activations).parameters
+    return planner_available()
 
 
 NO_BUDGET_API = "not measured: memory_budget not available"
