@@ -45,7 +45,7 @@ DISTRIBUTION = {
     "accelerate": "accelerate",
 }
 # This repository's own modules: the package, the tests, and the module the examples share.
-LOCAL = {"lightning_offload", "tests", "demo_model"}
+LOCAL = {"lightning_offload", "tests", "demo_model", "benchmarks"}
 # Modules whose imports of optional packages sit behind an extra (or a guard that names it).
 OPTIONAL_MODULES = {"cli.py", "pl_compat.py"}
 

@@ -1,7 +1,12 @@
-"""The benchmark's workloads (random-init Llama shapes) and modes, and the default mode list of each workload."""
+"""The benchmark's workloads and modes, the default mode list of each workload, and the capacity models.
+
+Workloads are random-init Llama shapes trained at a fixed batch and sequence; capacity models
+(:data:`CAPACITY_MODELS`) are trained at batch 1 and the longest sequence that fits under a memory cap.
+"""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -62,6 +67,10 @@ class Mode:
             ``--tiny`` runs.
         sweep: ``True`` for the points of our time-versus-memory curve.
         needs_cuda: skipped on a machine without CUDA.
+        default: ``offload_activations()`` with no arguments at all (the row that says what a user gets).
+        budget: ``offload_activations(memory_budget=B)`` under a hard cap of B bytes: a fraction of `none`'s peak
+            (``0.9``), ``"floor"`` (the least peak of our hand-tuned rows that checkpoint and offload, plus 10%)
+            or ``"cap"`` (the capacity run's cap). ``None``: no budget.
     """
 
     name: str
@@ -71,6 +80,8 @@ class Mode:
     engine: dict[str, Any] | None = None
     sweep: bool = False
     needs_cuda: bool = False
+    default: bool = False
+    budget: float | str | None = None
 
 
 def _modes() -> dict[str, Mode]:
@@ -86,7 +97,6 @@ def _modes() -> dict[str, Mode]:
         Mode("streamed", "ours", engine={"mode": "streamed"}, sweep=True),
         # Everything eligible leaves the device: the step should run at the copy bound (P1).
         Mode("streamed-all", "ours", engine={"mode": "streamed", "resident_tail_bytes": 0}, sweep=True),
-        Mode("auto", "ours", engine={"mode": "streamed", "max_offload_bytes": "auto"}, sweep=True),
         Mode("ac+offload", "ours", checkpoint="ours", engine={"mode": "streamed"}),
     ]
     # The knob that trades memory for time: only the first N bytes of each forward leave the device.
@@ -94,7 +104,21 @@ def _modes() -> dict[str, Mode]:
         modes.append(
             Mode(f"budget-{gib}G", "ours", engine={"mode": "streamed", "max_offload_bytes": gib * GiB}, sweep=True)
         )
+    # What a user gets without choosing anything, and the planner under a memory budget (`memory_budget`, when the
+    # engine has it). Budget rows run last among ours: their budgets come from `none`'s and `ac+offload`'s peaks.
+    modes.append(Mode("ours-default", "ours", engine={}, default=True))
+    for fraction in BUDGET_FRACTIONS:
+        modes.append(Mode(f"ours-budget-{fraction}x", "ours", engine={}, budget=fraction, needs_cuda=True))
+    modes.append(Mode("ours-budget-floor", "ours", engine={}, budget="floor", needs_cuda=True))
+    modes.append(Mode("ours-budget", "ours", engine={}, budget="cap"))  # capacity runs only
     return {m.name: m for m in modes}
+
+
+# Budgets of the `ours-budget-<f>x` rows, as fractions of `none`'s peak allocated memory.
+BUDGET_FRACTIONS = (0.9, 0.7, 0.5)
+BUDGET_MODES = (*(f"ours-budget-{f}x" for f in BUDGET_FRACTIONS), "ours-budget-floor")
+# The floor budget: the least peak among our rows that checkpoint and offload, with this much room.
+FLOOR_HEADROOM = 1.10
 
 
 MODES: dict[str, Mode] = _modes()
@@ -109,16 +133,25 @@ GROUP_ORDER = ("baseline", "ours", "anchor")
 
 
 def ordered(modes: list[str] | tuple[str, ...]) -> list[str]:
-    """``modes`` without duplicates, ``none`` first, then by :data:`GROUP_ORDER` (stable within a group)."""
+    """``modes`` without duplicates, ``none`` first, then by :data:`GROUP_ORDER` (stable within a group).
+
+    Budget rows come last among ours: their budgets are computed from the peaks of `none` and `ac+offload`.
+    """
     unique = list(dict.fromkeys(["none", *modes]))
-    return sorted(unique, key=lambda name: (name != "none", GROUP_ORDER.index(MODES[name].group)))
+    return sorted(
+        unique,
+        key=lambda name: (name != "none", GROUP_ORDER.index(MODES[name].group), MODES[name].budget is not None),
+    )
 
 
 # Mode lists sized for ~8 minutes of H200 time in all (see benchmarks/NOTES.md): the full sweep and ``sync`` (a
 # debugging mode, copy-bound by design) only where a step is short; the long workloads get the core rows and the
 # curve point that matters most there.
 _LLAMA1B = {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
-_OURS = ("off", "streamed", "streamed-all", "auto", "ac+offload")
+# (`auto`, max_offload_bytes="auto", is gone: it offloaded far more than hides and the engine retires it; the
+# planner rows below replace it.)
+_OURS = ("off", "streamed", "streamed-all", "ac+offload")
+_PLANNER = ("ours-default", *BUDGET_MODES)
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -129,7 +162,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=2,
             seq=4096,
             lora=False,
-            modes=(*_BASELINES, *_OURS, "sync", *_SWEEP_1B_S4K, *_ANCHORS),
+            modes=(*_BASELINES, *_OURS, "sync", *_SWEEP_1B_S4K, *_PLANNER, *_ANCHORS),
         ),
         Workload(
             "llama1b-s16k",
@@ -138,7 +171,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=1,
             seq=16384,
             lora=False,
-            modes=(*_BASELINES, *_OURS, "budget-4G", "budget-8G", "budget-12G", *_ANCHORS),
+            modes=(*_BASELINES, *_OURS, "budget-4G", "budget-8G", "budget-12G", *_PLANNER, *_ANCHORS),
         ),
         Workload(
             "llama8b-lora-s8k",
@@ -158,11 +191,11 @@ WORKLOADS: dict[str, Workload] = {
                 *_BASELINES,
                 "streamed",
                 "streamed-all",
-                "auto",
                 "ac+offload",
                 "budget-8G",
                 "budget-16G",
                 "budget-24G",
+                *_PLANNER,
                 "save_on_cpu",
                 "torchtune",
             ),
@@ -180,10 +213,47 @@ WORKLOADS: dict[str, Workload] = {
             batch=4,
             seq=1024,
             lora=False,
-            modes=("none", "off", "streamed"),
+            modes=("none", "off", "streamed", "ac+offload", *_PLANNER),
         ),
     )
 }
+
+
+# Capacity runs: batch 1, the sequence grows in steps of CAPACITY_STEP until a hard memory cap is hit.
+CAPACITY_STEP = 2048
+CAPACITY_MODES = ("none", "ac", "save_on_cpu", "torchtune", "trl", "ours-budget")
+CAPACITY_MODELS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        replace(WORKLOADS["llama1b-s4k"], name="llama1b", batch=1, seq=CAPACITY_STEP, modes=CAPACITY_MODES),
+        replace(WORKLOADS["llama8b-lora-s8k"], name="llama8b-lora", seq=CAPACITY_STEP, modes=CAPACITY_MODES),
+        # Activation-dominated: with 256 token ids the logits are negligible, so what limits the sequence is what
+        # the decoder layers save (~54 KB per token per layer in bf16) against each layer's input (2 KB) under AC.
+        Workload(
+            "smallvocab-h1024",
+            hidden=1024,
+            layers=24,
+            intermediate=4096,
+            heads=16,
+            kv_heads=4,
+            vocab=256,
+            tied=False,
+            batch=1,
+            seq=CAPACITY_STEP,
+            lora=False,
+            modes=CAPACITY_MODES,
+        ),
+    )
+}
+
+# Caps (GiB) and the longest sequence searched, per capacity model. The Llama models get 24/40/80 GiB. The small-vocab
+# model saves ~1.3 MB per token without checkpointing but only ~0.13 MB with it (estimates), so at 24 GiB AC alone
+# would train ~170k tokens (tens of seconds per step: attention is quadratic), past what a 10-minute call can search;
+# at 6/8/12 GiB AC should fit ~27k/44k/77k tokens, and 1.5x that (the target for ours) stays under the maximum.
+DEFAULT_CAPS_GIB = (24.0, 40.0, 80.0)
+DEFAULT_MAX_SEQ = 131072
+CAPACITY_CAPS_GIB: dict[str, tuple[float, ...]] = {"smallvocab-h1024": (6.0, 8.0, 12.0)}
+CAPACITY_MAX_SEQ: dict[str, int] = {"smallvocab-h1024": 196608}
 
 # ``--tiny`` divides every byte knob by this, so the tiny tensors (kilobytes) meet the same decisions.
 TINY_BYTE_SCALE = 1024
@@ -204,12 +274,28 @@ def tiny(workload: Workload) -> Workload:
     )
 
 
+def planner_available() -> bool:
+    """Whether the engine takes ``memory_budget`` (the planner)."""
+    from lightning_offload import offload_activations
+
+    return "memory_budget" in inspect.signature(offload_activations).parameters
+
+
+# What the hand-tuned rows pass as `memory_budget` where the engine has one: no planning, so they keep measuring
+# exactly the knobs they name (the engine's default, "auto", would let the planner decide instead).
+NO_PLANNING = None
+
+
 def engine_kwargs(mode: Mode, tiny_run: bool) -> dict[str, Any]:
     """The mode's ``offload_activations`` arguments; in ``--tiny`` runs byte values shrink with the model."""
     kwargs = dict(mode.engine or {})
+    if mode.default or mode.budget is not None:
+        return kwargs  # the default row takes no knobs; budget rows get only `memory_budget`, added by the runner
+    if planner_available():
+        kwargs["memory_budget"] = NO_PLANNING
     if tiny_run:
         for key in ("resident_tail_bytes", "max_inflight_bytes", "max_offload_bytes"):
-            if isinstance(kwargs.get(key), int) and kwargs[key]:  # None, 0 and "auto" keep their meaning
+            if isinstance(kwargs.get(key), int) and kwargs[key]:  # None and 0 keep their meaning
                 kwargs[key] = max(1, kwargs[key] // TINY_BYTE_SCALE)
         kwargs.setdefault("min_tensor_bytes", 1024)
         kwargs.setdefault("resident_tail_bytes", 256 * MiB // TINY_BYTE_SCALE)

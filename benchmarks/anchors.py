@@ -1,7 +1,8 @@
 """Other projects' offloaders, the anchors the benchmark compares against, loaded by ordinary imports.
 
-They are not dependencies: ``fetch_anchors.sh`` downloads their wheels, which are installed into a folder on
-``PYTHONPATH`` at benchmark time. An anchor that cannot be imported becomes a "not available: ..." row.
+They are not dependencies: ``fetch_anchors.sh`` downloads their wheels into ``.whl/`` and installs them into
+``.refimpl/`` (both git-ignored) at benchmark time; ``python -m benchmarks`` puts ``.refimpl/`` on its workers'
+``PYTHONPATH`` when it exists. An anchor that cannot be imported becomes a "not available: ..." row.
 """
 
 from __future__ import annotations
@@ -19,9 +20,21 @@ import torch
 
 StepContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
-# torchao (imported by torchtune) ships C++ extensions built for one torch release; loading them into another can
-# abort the process. Offloading uses none of them, so they are never loaded here.
-os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+ENVIRONMENT = {
+    # torchao (imported by torchtune) ships C++ extensions built for one torch release; loading them into another
+    # can abort the process. Offloading uses none of them, so they are never loaded.
+    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+
+def prepare_process() -> None:
+    """Set :data:`ENVIRONMENT` (where not set already) in this process, before any anchor is imported.
+
+    Called by the workers' ``main``, never at import time: importing this module changes nothing.
+    """
+    for key, value in ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
 
 
 # torchtune 0.6.1 needs a torchao that still has ``int4_weight_only`` (<= 0.15), while peft refuses to create LoRA

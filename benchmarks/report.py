@@ -6,9 +6,12 @@ hand-made numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from benchmarks.workloads import BUDGET_MODES
 
 GiB = 1 << 30
 
@@ -21,6 +24,16 @@ P4_OFF_SLACK = 1.02  # the callback present, nothing offloaded
 P4_STREAMED_SLACK = 1.05  # the default engine on a model too small to need it
 GRAD_TOLERANCE = 2e-2  # bf16 gradients: max |g - g_none| / max |g_none| over each tensor
 P4_WORKLOAD = "small-h512"
+# The memory-budget planner (`memory_budget`).
+B1_MIN_BUDGETS = 3  # budget rows per workload that must run under their cap
+B2_TIME_SLACK = 1.05  # a budget row at most 1.05x the fastest other row that fits under the same budget
+B3_SMALLVOCAB_FACTOR = 1.5  # capacity on the small-vocab model: at least 1.5x AC's longest sequence
+B3_SMALLVOCAB = "smallvocab"
+B4_TIME_SLACK = 1.05  # `ours-default` at most 1.05x `none`
+B5_RESERVED_RATIO = 1.10  # peak reserved / peak allocated in every row of ours that offloads
+DEFAULT_MODE = "ours-default"
+CAPACITY_OURS = "ours-budget"
+CAPACITY_REFERENCES = ("ac", "save_on_cpu", "torchtune", "trl")
 
 DEFINITIONS = {
     "P1": f"engine at the physical limit: `streamed-all` (everything eligible offloaded) within {P1_BOUND_SLACK:.2f}x "
@@ -36,7 +49,16 @@ DEFINITIONS = {
     f"{P4_STREAMED_SLACK:.2f}x `none`",
     "G": f"every row's first-step gradients agree with `none` within bf16 rounding (max relative difference <= "
     f"{GRAD_TOLERANCE:g})",
+    "B1": f"never OOMs under the cap: on every workload at least {B1_MIN_BUDGETS} `ours-budget-*` rows ran under a "
+    "hard cap equal to their budget (`set_per_process_memory_fraction`) and none ran out of memory",
+    "B2": f"at each budget, step time <= {B2_TIME_SLACK:.2f}x the fastest other row (AC, anchors, our hand-tuned "
+    "rows) whose peak allocated fits under the budget",
+    "B3": "capacity: under each hard cap, our longest trainable sequence (`memory_budget=cap`) >= the longest of AC "
+    f"and every anchor that ran; on the small-vocab model >= {B3_SMALLVOCAB_FACTOR:g}x AC's",
+    "B4": f"`{DEFAULT_MODE}` (no arguments) <= {B4_TIME_SLACK:.2f}x `none` on every workload where `none` fits",
+    "B5": f"peak reserved <= {B5_RESERVED_RATIO:.2f}x peak allocated in every row of ours that offloads",
 }
+NO_BUDGET_API = "not measured: memory_budget not available"
 
 
 @dataclass
@@ -44,8 +66,9 @@ class Verdict:
     """One requirement, judged from the data.
 
     Attributes:
-        key: ``P1``, ``P1b``, ``P2``, ``P3``, ``P4`` or ``G``.
-        status: ``"met"``, ``"missed"`` or ``"n/a"`` (nothing measured to judge it).
+        key: ``P1``, ``P1b``, ``P2``, ``P3``, ``P4``, ``G`` or ``B1``-``B5``.
+        status: ``"met"``, ``"missed"``, ``"undetermined"`` (measured, but the numbers' bounds cannot decide it)
+            or ``"n/a"`` (nothing measured to judge it).
         detail: the numbers behind the status.
     """
 
@@ -74,6 +97,8 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
         if not _ok(row):
             continue
         row["ratio"] = row["step_s"] / none["step_s"] if _ok(none) else None
+        if row.get("peak_alloc_gib") and row.get("peak_reserved_gib") is not None:
+            row["reserved_ratio"] = row["peak_reserved_gib"] / row["peak_alloc_gib"]
         engine = row.get("engine")
         if not engine:
             continue
@@ -107,10 +132,16 @@ def copy_bound(compute: dict[str, Any], offloaded_bytes: float, link: dict[str, 
 # ---------------------------------------------------------------------------------------------- verdicts
 
 
-def _combine(key: str, parts: list[tuple[bool, str]]) -> Verdict:
+def _combine(key: str, parts: list[tuple[bool | None, str]], empty: str = "not measured") -> Verdict:
+    """``missed`` if any part failed, ``met`` if all passed, ``undetermined`` if some could not be decided."""
     if not parts:
-        return Verdict(key, "n/a", "not measured")
-    status = "met" if all(ok for ok, _ in parts) else "missed"
+        return Verdict(key, "n/a", empty)
+    if any(ok is False for ok, _ in parts):
+        status = "missed"
+    elif all(ok for ok, _ in parts):
+        status = "met"
+    else:
+        status = "undetermined"
     return Verdict(key, status, "; ".join(text for _, text in parts))
 
 
@@ -119,7 +150,11 @@ def _peak(row: dict[str, Any]) -> float | None:
 
 
 def verdicts(results: Iterable[dict[str, Any]]) -> list[Verdict]:
-    """P1, P1b, P2, P3, P4 and G, each met / missed / n/a with its numbers (rows must be :func:`derive`-d)."""
+    """P1, P1b, P2, P3, P4, G, B1, B2, B4 and B5, each met / missed / n/a with its numbers.
+
+    Rows must be :func:`derive`-d. B3 needs a capacity run: :func:`capacity_verdicts`.
+    """
+    results = list(results)
     parts: dict[str, list[tuple[bool, str]]] = {key: [] for key in ("P1", "P1b", "P2", "P3", "P4", "G")}
     for result in results:
         name = result["workload"]["name"]
@@ -154,7 +189,7 @@ def verdicts(results: Iterable[dict[str, Any]]) -> list[Verdict]:
         verdict_g.detail = (
             f"{len(grads)} rows compared, all within {GRAD_TOLERANCE:g}" if not worst else "; ".join(worst)
         )
-    return [*out, verdict_g]
+    return [*out, verdict_g, *budget_verdicts(results)]
 
 
 def _offload_rows(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -241,6 +276,283 @@ def _p4(name: str, rows: dict[str, dict[str, Any]]) -> list[tuple[bool, str]]:
     return parts
 
 
+# ---------------------------------------------------------------------------------------------- the planner (B*)
+
+
+def _is_planner_row(row: dict[str, Any]) -> bool:
+    return row["mode"] in BUDGET_MODES or row["mode"] == DEFAULT_MODE
+
+
+def _budget_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in result.get("rows", []) if row["mode"] in BUDGET_MODES]
+
+
+def _ran(row: dict[str, Any]) -> bool:
+    """It was run (measured, out of memory or failed), as opposed to skipped or not measurable."""
+    return row.get("status", "").split(":")[0] not in ("not measured", "skipped", "not available")
+
+
+def budget_verdicts(results: list[dict[str, Any]]) -> list[Verdict]:
+    """B1, B2, B4 and B5 from the workload rows (B3 comes from capacity runs)."""
+    b1: list[tuple[bool | None, str]] = []
+    b2: list[tuple[bool | None, str]] = []
+    b4: list[tuple[bool | None, str]] = []
+    b5: list[tuple[bool | None, str]] = []
+    no_api = False
+    for result in results:
+        name = result["workload"]["name"]
+        rows = rows_by_mode(result)
+        budget_rows = _budget_rows(result)
+        no_api = no_api or any(row.get("status") == NO_BUDGET_API for row in budget_rows)
+        ran = [row for row in budget_rows if _ran(row)]
+        if ran:
+            b1.append(_b1(name, ran))
+            b2.extend(_b2(name, row, rows) for row in ran)
+        b4_part = _b4(name, rows)
+        if b4_part is not None:
+            b4.append(b4_part)
+        b5.extend(_b5(name, result))
+    empty = NO_BUDGET_API if no_api else "not measured"
+    return [
+        _combine("B1", b1, empty),
+        _combine("B2", b2, empty),
+        _combine("B4", b4),
+        _combine("B5", b5),
+    ]
+
+
+def _b1(name: str, ran: list[dict[str, Any]]) -> tuple[bool, str]:
+    fine = [row for row in ran if row["status"] == "ok"]
+    failed = [row for row in ran if row["status"] != "ok"]
+    cells = ", ".join(f"{row['mode']} under {_fmt(row.get('budget_gib'), '.1f')} GiB: {row['status']}" for row in ran)
+    ok = len(fine) >= B1_MIN_BUDGETS and not failed
+    count = f"{len(fine)} of {len(ran)} budgets ran" + ("" if len(fine) >= B1_MIN_BUDGETS else f" (< {B1_MIN_BUDGETS})")
+    return ok, f"{name}: {count}; {cells}"
+
+
+def _b2(name: str, row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> tuple[bool, str]:
+    budget = row.get("budget_gib")
+    label = f"{name}/{row['mode']} ({_fmt(budget, '.1f')} GiB)"
+    if not _ok(row):
+        return False, f"{label}: {row['status']}"
+    references = [
+        r
+        for r in rows.values()
+        if _ok(r) and not _is_planner_row(r) and _peak(r) is not None and budget is not None and _peak(r) <= budget
+    ]
+    if not references:
+        return True, f"{label}: {row['step_s']:.3f} s; no other row fits under the budget"
+    best = min(references, key=lambda r: r["step_s"])
+    ratio = row["step_s"] / best["step_s"]
+    return (
+        ratio <= B2_TIME_SLACK,
+        f"{label}: {row['step_s']:.3f} s vs {best['mode']} {best['step_s']:.3f} s at {_peak(best):.1f} GiB "
+        f"({ratio:.2f}x)",
+    )
+
+
+def _b4(name: str, rows: dict[str, dict[str, Any]]) -> tuple[bool, str] | None:
+    none, default = rows.get("none"), rows.get(DEFAULT_MODE)
+    if not _ok(none) or default is None or not _ran(default):
+        return None
+    if not _ok(default):
+        return False, f"{name}: {DEFAULT_MODE} {default['status']} where `none` fits"
+    ratio = default["step_s"] / none["step_s"]
+    peaks = ""
+    if _peak(default) is not None and _peak(none) is not None:
+        peaks = f", peak {_peak(default):.1f} vs {_peak(none):.1f} GiB"
+    return ratio <= B4_TIME_SLACK, f"{name}: {ratio:.3f}x{peaks}"
+
+
+def _offloads(row: dict[str, Any]) -> bool:
+    engine = row.get("engine") or {}
+    return row.get("group") == "ours" and (engine.get("offloaded_bytes") or 0) > 0
+
+
+def _b5(name: str, result: dict[str, Any]) -> list[tuple[bool, str]]:
+    parts = []
+    for row in result.get("rows", []):
+        if not _ok(row) or not _offloads(row) or not row.get("peak_alloc_gib") or row.get("peak_reserved_gib") is None:
+            continue
+        ratio = row["peak_reserved_gib"] / row["peak_alloc_gib"]
+        parts.append(
+            (
+                ratio <= B5_RESERVED_RATIO,
+                f"{name}/{row['mode']}: {row['peak_reserved_gib']:.2f} / {row['peak_alloc_gib']:.2f} GiB = {ratio:.3f}",
+            )
+        )
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------- capacity (B3)
+
+
+def bounds(entry: dict[str, Any]) -> tuple[int, float] | None:
+    """(longest sequence known to fit, most it can be; ``inf`` when unbounded) of a search, ``None`` if it never ran."""
+    if not entry.get("probes"):
+        return None
+    upper = entry.get("upper")
+    if upper is None and entry.get("first_fail") is not None and not entry.get("capped"):
+        upper = entry["first_fail"] - entry["step"]
+    return entry.get("longest", 0), math.inf if upper is None else upper
+
+
+def _show(entry_bounds: tuple[int, float]) -> str:
+    lower, upper = entry_bounds
+    if upper == lower:
+        return f"{lower}"
+    if upper == math.inf:
+        return f">= {lower}"
+    return f"{lower}..{int(upper)}"
+
+
+def capacity_verdicts(capacity: list[dict[str, Any]]) -> list[Verdict]:
+    """B3 (our longest sequence against AC and the anchors under each cap) and B5 of our capacity rows."""
+    b3: list[tuple[bool | None, str]] = []
+    b5: list[tuple[bool | None, str]] = []
+    no_api = False
+    for result in capacity:
+        name = f"{result['model']['name']} @ {result['cap_gib']:g} GiB"
+        entries = {entry["mode"]: entry for entry in result.get("searches", [])}
+        ours = entries.get(CAPACITY_OURS)
+        if ours is not None and ours.get("status") == NO_BUDGET_API:
+            no_api = True
+        if ours is not None and ours.get("peak_alloc_gib") and ours.get("peak_reserved_gib") is not None:
+            ratio = ours["peak_reserved_gib"] / ours["peak_alloc_gib"]
+            b5.append((ratio <= B5_RESERVED_RATIO, f"capacity {name}/{CAPACITY_OURS}: {ratio:.3f}"))
+        ours_bounds = bounds(ours) if ours is not None else None
+        if ours_bounds is None:
+            continue
+        references = {
+            mode: b for mode in CAPACITY_REFERENCES if mode in entries and (b := bounds(entries[mode])) is not None
+        }
+        if not references:
+            continue
+        b3.append(_b3(name, ours_bounds, references))
+        if result["model"]["name"].startswith(B3_SMALLVOCAB) and "ac" in references:
+            b3.append(_b3_factor(name, ours_bounds, references["ac"]))
+    return [_combine("B3", b3, NO_BUDGET_API if no_api else "not measured"), _combine("B5", b5)]
+
+
+def _b3(name: str, ours: tuple[int, float], references: dict[str, tuple[int, float]]) -> tuple[bool | None, str]:
+    best_lower = max(lower for lower, _ in references.values())
+    best_upper = max(upper for _, upper in references.values())
+    text = f"{name}: ours {_show(ours)} vs " + ", ".join(f"{mode} {_show(b)}" for mode, b in references.items())
+    if ours[0] >= best_upper:
+        return True, text
+    if ours[1] < best_lower:
+        return False, text
+    return None, text + " (the searches' bounds overlap)"
+
+
+def _b3_factor(name: str, ours: tuple[int, float], ac: tuple[int, float]) -> tuple[bool | None, str]:
+    text = f"{name}: ours {_show(ours)} vs {B3_SMALLVOCAB_FACTOR:g}x AC's {_show(ac)}"
+    if ac[1] == math.inf:
+        return None, text + " (AC reached the search's maximum)"
+    if ours[0] >= B3_SMALLVOCAB_FACTOR * ac[1]:
+        return True, text
+    if ours[1] < B3_SMALLVOCAB_FACTOR * ac[0]:
+        return False, text
+    return None, text + " (the searches' bounds overlap)"
+
+
+def _capacity_cell(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "-"
+    status = entry.get("status", "")
+    if not entry.get("probes"):
+        return status or "-"
+    b = bounds(entry)
+    assert b is not None
+    text = _show(b)
+    if entry.get("capped"):
+        text += " (max)"
+    if entry.get("tokens_per_s"):
+        text += f", {entry['tokens_per_s']:.0f} tok/s"
+    if entry.get("peak_alloc_gib") is not None:
+        text += f", {entry['peak_alloc_gib']:.1f}/{_fmt(entry.get('peak_reserved_gib'), '.1f')} GiB"
+    if status != "ok":
+        text += f" ({status})"
+    return text
+
+
+def capacity_markdown(capacity: list[dict[str, Any]], name: str) -> str:
+    """Longest trainable sequence per model, cap and mode, with B3 and B5."""
+    lines = [f"# Capacity under hard memory caps: {name}", ""]
+    simulated = any(result.get("simulated") for result in capacity)
+    if simulated:
+        lines += [
+            "**Simulated caps (no CUDA): whether a sequence fits comes from a memory formula, not from a device; "
+            "these numbers are not measurements.**",
+            "",
+        ]
+    env = next((r.get("env") for r in capacity if r.get("env")), {}) or {}
+    lines += [
+        f"Device: {env.get('gpu', '-')}; torch {env.get('torch', '-')}; models: {env.get('model_impl', '-')}; "
+        f"memory_budget available: {env.get('memory_budget_api', '-')}.",
+        "",
+        "Each cell: longest sequence (batch 1, in steps of the search) that trained every step without running out "
+        "of memory (`a..b`: between a and b, the search was cut short; `>= a`: nothing failed up to there), "
+        "tokens/s at it, peak allocated/reserved GiB.",
+        "",
+        "## Verdicts",
+        "",
+        "| | status | numbers |",
+        "|---|---|---|",
+    ]
+    for v in capacity_verdicts(capacity):
+        lines.append(f"| {v.key} | **{v.status}** | {v.detail} |")
+    lines.append("")
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for result in capacity:
+        by_model.setdefault(result["model"]["name"], []).append(result)
+    for model, results in by_model.items():
+        results = sorted(results, key=lambda r: r["cap_gib"])
+        w = results[0]["model"]
+        training = "LoRA r16" if w.get("lora") else "full fine-tuning"
+        lines += [
+            f"## {model}",
+            "",
+            f"hidden {w['hidden']}, {w['layers']} layers, intermediate {w['intermediate']}, vocab {w['vocab']}, "
+            f"{training}; {results[0].get('steps', '-')} steps per probe",
+            "",
+            "| mode | " + " | ".join(f"{r['cap_gib']:g} GiB" for r in results) + " |",
+            "|---|" + "---|" * len(results),
+        ]
+        modes = list(dict.fromkeys(e["mode"] for r in results for e in r.get("searches", [])))
+        for mode in modes:
+            cells = [
+                _capacity_cell(next((e for e in r.get("searches", []) if e["mode"] == mode), None)) for r in results
+            ]
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        probes = " | ".join(
+            f"{sum(len(e.get('probes', [])) for e in r.get('searches', []))} probes"
+            + (f", {r['wall_s']:.0f} s" if r.get("wall_s") else "")
+            + (f", {r['error']}" if r.get("error") else "")
+            for r in results
+        )
+        lines += [f"| (worker) | {probes} |", ""]
+    lines += ["## Definitions", ""]
+    lines += [f"- **{key}**: {DEFINITIONS[key]}" for key in ("B3", "B5")]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def capacity_table(capacity: list[dict[str, Any]]) -> str:
+    """A compact capacity table for stdout."""
+    out = [f"{'model':<18} {'cap':>5} {'mode':<13} result"]
+    for result in capacity:
+        for entry in result.get("searches", []):
+            out.append(
+                f"{result['model']['name']:<18} {result['cap_gib']:>5g} {entry['mode']:<13} {_capacity_cell(entry)}"
+            )
+        if result.get("error"):
+            out.append(f"{result['model']['name']:<18} {result['cap_gib']:>5g} {'(worker)':<13} {result['error']}")
+    for v in capacity_verdicts(capacity):
+        out.append(f"{v.key:<4} {v.status:<7} {v.detail}")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------------------------- output
 
 
@@ -258,6 +570,8 @@ COLUMNS = (
     ("tok/s", "tokens_per_s", ".0f"),
     ("peak GiB", "peak_alloc_gib", ".1f"),
     ("reserved GiB", "peak_reserved_gib", ".1f"),
+    ("res/alloc", "reserved_ratio", ".2f"),
+    ("budget GiB", "budget_gib", ".1f"),
     ("offloaded GiB", "offloaded_gib", ".2f"),
     ("D2H GB/s", "d2h_gbps", ".1f"),
     ("H2D GB/s", "h2d_gbps", ".1f"),
@@ -285,7 +599,18 @@ def markdown(results: list[dict[str, Any]], name: str) -> str:
     lines = [f"# Activation offloading benchmark: {name}", ""]
     env = next((r.get("env") for r in results if r.get("env")), {}) or {}
     lines += ["## Environment", "", "| | |", "|---|---|"]
-    for key in ("gpu", "driver", "cuda", "torch", "transformers", "peft", "python", "cpu_count"):
+    for key in (
+        "gpu",
+        "driver",
+        "cuda",
+        "torch",
+        "transformers",
+        "peft",
+        "python",
+        "cpu_count",
+        "model_impl",
+        "memory_budget_api",
+    ):
         lines.append(f"| {key} | {env.get(key, '-')} |")
     anchor_versions = env.get("anchors") or {}
     lines.append("| anchors | " + ", ".join(f"{k} {v}" for k, v in anchor_versions.items() if v) + " |")
@@ -389,3 +714,7 @@ def terminal_table(results: list[dict[str, Any]]) -> str:
 
 def verdicts_json(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [asdict(v) for v in verdicts(results)]
+
+
+def capacity_verdicts_json(capacity: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [asdict(v) for v in capacity_verdicts(capacity)]

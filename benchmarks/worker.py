@@ -1,4 +1,4 @@
-"""One workload, every mode, in one process: ``python -m lightning_offload.bench.worker --workload NAME ...``.
+"""One workload, every mode, in one process: ``python -m benchmarks.worker --workload NAME ...``.
 
 Protocol: each mode starts from the same weights and a fresh optimizer, runs ``warmup`` steps and
 then ``steps`` timed steps with a device synchronization around each; peak memory is read over the timed steps
@@ -26,9 +26,19 @@ from typing import Any
 
 import torch
 
+from benchmarks import anchors, models
+from benchmarks.workloads import (
+    FLOOR_HEADROOM,
+    MODES,
+    WORKLOADS,
+    Mode,
+    Workload,
+    engine_kwargs,
+    ordered,
+    planner_available,
+    tiny,
+)
 from lightning_offload import offload_activations, release_host_memory
-from lightning_offload.bench import anchors
-from lightning_offload.bench.workloads import MODES, WORKLOADS, Mode, Workload, engine_kwargs, ordered, tiny
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 
 GiB = 1 << 30
@@ -44,6 +54,51 @@ _HOOK_DICTS = (
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
+
+
+def memory_budget_available() -> bool:
+    """Whether the engine takes ``memory_budget`` (the planner); rows that need it say so when it does not."""
+    return planner_available()
+
+
+NO_BUDGET_API = "not measured: memory_budget not available"
+
+
+def budget_bytes(mode: Mode, rows: dict[str, dict[str, Any]]) -> tuple[float | None, str]:
+    """The budget of a budget row from the rows measured before it in the same process, or ``None`` and why not.
+
+    A fraction is of `none`'s peak allocated memory; ``"floor"`` is :data:`FLOOR_HEADROOM` x the peak of
+    `ac+offload` (checkpointing and offloading: the least memory our hand-tuned rows reach).
+    """
+    if isinstance(mode.budget, float):
+        none = rows.get("none", {})
+        if none.get("status") != "ok" or none.get("peak_alloc_gib") is None:
+            return None, "no peak of `none` to take a fraction of"
+        return mode.budget * none["peak_alloc_gib"] * GiB, ""
+    if mode.budget == "floor":
+        both = rows.get("ac+offload", {})
+        if both.get("status") != "ok" or both.get("peak_alloc_gib") is None:
+            return None, "no peak of `ac+offload` to set the floor"
+        return FLOOR_HEADROOM * both["peak_alloc_gib"] * GiB, ""
+    return None, f"budget {mode.budget!r} is for capacity runs"
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, cap_bytes: float | None) -> Iterator[None]:
+    """A hard cap on this process's device memory (the caching allocator refuses to reserve beyond it).
+
+    ``set_per_process_memory_fraction`` caps what the allocator may *reserve*, so a row that fits under it never
+    held more than ``cap_bytes`` of device memory, fragmentation included.
+    """
+    if device.type != "cuda" or cap_bytes is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
 def _sync(device: torch.device) -> None:
@@ -156,6 +211,8 @@ def environment(device: torch.device, anchor_versions: dict[str, str | None]) ->
         except Exception:  # optional
             env[name] = None
     env["anchors"] = anchor_versions
+    env["model_impl"] = models.backend()
+    env["memory_budget_api"] = memory_budget_available()
     return env
 
 
@@ -182,44 +239,6 @@ def _driver_version() -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- the model
-
-
-def build_model(workload: Workload, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Random-init Llama (bf16 weights, sdpa attention) on ``device``; LoRA-wrapped when the workload says so.
-
-    Returns:
-        The model to train and the underlying ``LlamaForCausalLM`` (for HF's gradient checkpointing switches).
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=workload.hidden,
-        num_hidden_layers=workload.layers,
-        intermediate_size=workload.intermediate,
-        num_attention_heads=workload.heads,
-        num_key_value_heads=workload.kv_heads,
-        vocab_size=workload.vocab,
-        tie_word_embeddings=workload.tied,
-        max_position_embeddings=max(workload.seq, 2048),
-        rope_theta=500000.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    config._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # allocate (and initialise) in bf16 directly: no fp32 copy of 8B
-    try:
-        with torch.device(device):
-            base = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model: torch.nn.Module = base
-    if workload.lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
-    model.train()
-    return model, base
 
 
 @contextlib.contextmanager
@@ -258,13 +277,15 @@ class Runner:
         self.device = self.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         torch.manual_seed(0)
-        self.model, self.hf_model = build_model(workload, self.device)
+        self.bench = models.build(workload, self.device)
+        self.model = self.bench.module
         generator = torch.Generator().manual_seed(1234)
         self.ids = torch.randint(0, workload.vocab, (workload.batch, workload.seq), generator=generator).to(self.device)
         self.trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # Only trainable tensors change during a mode; the frozen base (LoRA) is never touched.
         self.initial = {n: self._to_host(p.detach()) for n, p in self.trainable}
         self.reference_grads: dict[str, torch.Tensor] | None = None
+        self.rows: dict[str, dict[str, Any]] = {}  # measured so far: budgets are fractions of their peaks
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.cuda)
@@ -283,9 +304,20 @@ class Runner:
         }
         if mode.engine is not None:
             row["knobs"] = engine_kwargs(mode, self.tiny)
+        if mode.budget is not None and not memory_budget_available():
+            row["status"] = NO_BUDGET_API
+            return row
         if mode.needs_cuda and not self.cuda:
             row["status"] = "skipped: needs CUDA"
             return row
+        budget = None
+        if mode.budget is not None:
+            budget, why = budget_bytes(mode, self.rows)
+            if budget is None:
+                row["status"] = f"not measured: {why}"
+                return row
+            row["budget_gib"] = budget / GiB
+            row["knobs"] = {"memory_budget": budget}
         engine = None
         optimizer = None
         with contextlib.ExitStack() as cleanup:
@@ -302,7 +334,9 @@ class Runner:
                 return row
             try:
                 optimizer = self._fresh_start(mode)
-                self._measure(mode, row, step_context, optimizer, engine)
+                # After the fresh start emptied the cache: the cap bounds everything the row reserves.
+                with memory_cap(self.device, budget):
+                    self._measure(mode, row, step_context, optimizer, engine)
             except torch.cuda.OutOfMemoryError:
                 row["status"] = "OOM"
                 self._after_failure(engine)
@@ -313,12 +347,15 @@ class Runner:
             finally:
                 del optimizer
                 self.model.zero_grad(set_to_none=True)
+        if budget is not None:
+            row["oom"] = row["status"] == "OOM"
+        self.rows[mode.name] = row
         return row
 
     def _prepare(self, mode: Mode, cleanup: contextlib.ExitStack) -> tuple[anchors.StepContext, Any]:
         if mode.checkpoint == "hf":
-            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            cleanup.callback(self.hf_model.gradient_checkpointing_disable)
+            self.bench.enable_ac()
+            cleanup.callback(self.bench.disable_ac)
         elif mode.checkpoint == "ours":
             apply_checkpointing(self.model, "auto")
             cleanup.callback(remove_checkpointing, self.model)
@@ -328,8 +365,14 @@ class Runner:
             return anchors.torchtune(self.model), None
         if mode.anchor == "trl":
             return anchors.trl(self.model), None
+        if mode.default:
+            # Exactly what a user gets: no argument (the CPU needs its device named: the default is CUDA).
+            engine = offload_activations() if self.cuda else offload_activations(compute_device="cpu")
+            return (lambda: engine), engine
         if mode.engine is not None:
             kwargs = engine_kwargs(mode, self.tiny)
+            if mode.budget is not None:
+                kwargs["memory_budget"] = int(budget_bytes(mode, self.rows)[0] or 0)
             engine = offload_activations(
                 **kwargs,
                 compute_device=None if self.cuda else "cpu",
@@ -372,7 +415,7 @@ class Runner:
             start = time.perf_counter()
             clock.mark()
             with step_context():
-                loss = self.model(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+                loss = self.bench.loss(self.ids)
             clock.mark()
             loss.backward()
             del loss
@@ -442,7 +485,7 @@ def run_workload(
     """Run ``modes`` of one workload and write the result to ``out`` after every mode.
 
     ``none`` runs first (every ratio and gradient comparison is against it), then the baselines, our modes and the
-    anchors, in :data:`~lightning_offload.bench.workloads.GROUP_ORDER`.
+    anchors, in :data:`~benchmarks.workloads.GROUP_ORDER` (budget rows last among ours).
     """
     workload = WORKLOADS[workload_name]
     if tiny_run:
@@ -467,6 +510,7 @@ def run_workload(
     result["link"] = measure_link(device)
     _write(out, result)
     runner = Runner(workload, steps, warmup, tiny_run, anchor_steps, anchor_warmup)
+    result["env"]["lora_impl"] = runner.bench.lora
     result["setup_s"] = time.perf_counter() - started
     pool_released = False
     for name in modes:
@@ -511,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     args = parser.parse_args(argv)
+    anchors.prepare_process()
     # Deprecation notices of the libraries would bury the progress lines in the lead's 12k-character log tail.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -1,0 +1,332 @@
+"""``python -m benchmarks`` (from the repo root): run the workloads (one subprocess each), merge, report, plot.
+
+Example::
+
+    python -m benchmarks --device-name h200 --out benchmarks/results        # everything, on an H200
+    python -m benchmarks --workloads llama1b-s4k --modes none,streamed --steps 6
+    python -m benchmarks --tiny                                             # the whole pipeline on a CPU
+    python -m benchmarks --capacity --capacity-models llama1b --caps 24,40 --deadline 470
+
+Outputs go to ``benchmarks/out/`` (git-ignored) unless ``--out`` names a folder, and are written only when the run
+measured something: a run that measured nothing says why and writes no file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import anchors, capacity, models, report
+from benchmarks.workloads import (
+    CAPACITY_CAPS_GIB,
+    CAPACITY_MAX_SEQ,
+    CAPACITY_MODELS,
+    CAPACITY_MODES,
+    CAPACITY_STEP,
+    DEFAULT_CAPS_GIB,
+    DEFAULT_MAX_SEQ,
+    MODES,
+    WORKLOADS,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = Path("benchmarks/out")
+# Where `fetch_anchors.sh install` puts the anchors: on the workers' PYTHONPATH when it exists.
+REFIMPL = ROOT / ".refimpl"
+_REPORT_RESERVE_S = 15.0
+_MIN_WORKER_S = 30.0
+DEFAULT_CAPS = ",".join(f"{c:g}" for c in DEFAULT_CAPS_GIB)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description="Benchmark activation offloading on Llama shapes."
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {list(WORKLOADS)}")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated modes run for every workload (default: each workload's own list; with --capacity: "
+        f"{list(CAPACITY_MODES)}); known: {list(MODES)}. `none` always runs first.",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per mode (default 6; 2 with --tiny; --capacity: 3)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 2; 1 with --tiny)")
+    parser.add_argument(
+        "--anchor-steps",
+        type=int,
+        default=None,
+        help="timed steps of the anchors, 4-7x slower per step (default 4; --steps with --tiny)",
+    )
+    parser.add_argument("--anchor-warmup", type=int, default=None, help="warm-up steps of the anchors (default 1)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output folder (default {DEFAULT_OUT}, git-ignored; the committed results live in benchmarks/results)",
+    )
+    parser.add_argument("--device-name", default=None, help="names the outputs <out>/<name>.{json,md,png}")
+    parser.add_argument("--tiny", action="store_true", help="shrink every model so the pipeline runs on a CPU")
+    parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per workload before it is killed")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole run: a worker still running then is killed (what it finished is kept) and "
+        "the report is written anyway; work left after it is skipped",
+    )
+    group = parser.add_argument_group("capacity (--capacity): the longest sequence each mode trains under hard caps")
+    group.add_argument("--capacity", action="store_true", help="run the capacity search instead of the workloads")
+    group.add_argument(
+        "--capacity-models",
+        default=",".join(CAPACITY_MODELS),
+        help=f"comma-separated, from {list(CAPACITY_MODELS)}",
+    )
+    group.add_argument(
+        "--caps",
+        default=None,
+        help=f"comma-separated GiB for every model (default {DEFAULT_CAPS}; "
+        + "; ".join(f"{m}: {','.join(f'{c:g}' for c in caps)}" for m, caps in CAPACITY_CAPS_GIB.items())
+        + f"; {DEFAULT_CAPS} with --tiny)",
+    )
+    group.add_argument(
+        "--max-seq",
+        type=int,
+        default=None,
+        help=f"longest sequence tried, for every model (default {DEFAULT_MAX_SEQ}; "
+        + "; ".join(f"{m}: {n}" for m, n in CAPACITY_MAX_SEQ.items())
+        + f"; {capacity.TINY_MAX_SEQ} with --tiny)",
+    )
+    args = parser.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        parser.error(f"--workloads {args.workloads!r}: unknown {unknown}; choose from {list(WORKLOADS)}")
+    args.workloads = workloads
+    if args.modes is not None:
+        modes = [m for m in args.modes.split(",") if m]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            parser.error(f"--modes {args.modes!r}: unknown {unknown}; choose from {list(MODES)}")
+        args.modes = modes
+    names = [m for m in args.capacity_models.split(",") if m]
+    unknown = [m for m in names if m not in CAPACITY_MODELS]
+    if unknown or not names:
+        parser.error(
+            f"--capacity-models {args.capacity_models!r}: unknown {unknown}; choose from {list(CAPACITY_MODELS)}"
+        )
+    args.capacity_models = names
+    caps = None
+    if args.caps is not None:
+        try:
+            caps = sorted({float(c) for c in args.caps.split(",") if c})
+        except ValueError:
+            parser.error(f"--caps {args.caps!r}: must be comma-separated numbers of GiB, e.g. {DEFAULT_CAPS}")
+        if not caps or min(caps) <= 0:
+            parser.error(f"--caps {args.caps!r}: must be positive numbers of GiB, e.g. {DEFAULT_CAPS}")
+    default_caps = list(DEFAULT_CAPS_GIB)
+    args.caps = {
+        m: caps or (default_caps if args.tiny else list(CAPACITY_CAPS_GIB.get(m, default_caps)))
+        for m in args.capacity_models
+    }
+    default_steps = 3 if args.capacity else (2 if args.tiny else 6)
+    args.steps = args.steps if args.steps is not None else default_steps
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    args.anchor_steps = args.anchor_steps if args.anchor_steps is not None else (args.steps if args.tiny else 4)
+    args.anchor_warmup = args.anchor_warmup if args.anchor_warmup is not None else (args.warmup if args.tiny else 1)
+    if min(args.steps, args.warmup, args.anchor_steps, args.anchor_warmup) < 1:
+        parser.error("--steps and --warmup must be >= 1 (the first warm-up step gives the gradient comparison)")
+    args.step = capacity.TINY_STEP if args.tiny else CAPACITY_STEP
+    if args.max_seq is not None and args.max_seq < args.step:
+        parser.error(f"--max-seq {args.max_seq}: must be at least one step ({args.step} tokens)")
+    args.max_seq = {
+        m: args.max_seq or (capacity.TINY_MAX_SEQ if args.tiny else CAPACITY_MAX_SEQ.get(m, DEFAULT_MAX_SEQ))
+        for m in args.capacity_models
+    }
+    base = args.device_name or ("tiny" if args.tiny else "gpu")
+    args.device_name = f"{base}-capacity" if args.capacity and not base.endswith("-capacity") else base
+    return args
+
+
+def missing_requirements(args: argparse.Namespace) -> str | None:
+    """Why this run cannot start (packages missing for what it would build), or ``None``.
+
+    ``--tiny`` needs nothing beyond the test extra: without transformers the demo model stands in for Llama and
+    a small adapter of this package for peft. Full-size runs build the real shapes: transformers (and peft for
+    LoRA) must be there; only the small-vocab capacity model may use the demo model.
+    """
+    if args.tiny:
+        return None
+    if args.capacity:
+        shapes = [CAPACITY_MODELS[m] for m in args.capacity_models if not m.startswith("smallvocab")]
+    else:
+        shapes = [WORKLOADS[w] for w in args.workloads]
+    needed = {"transformers"} if shapes else set()
+    if any(w.lora for w in shapes):
+        needed.add("peft")
+    missing = sorted(name for name in needed if not models.have(name))
+    if not missing:
+        return None
+    what = ", ".join(w.name for w in shapes)
+    return (
+        f"python -m benchmarks: {what} need {' and '.join(sorted(needed))}, and {', '.join(missing)} "
+        'cannot be imported: install the examples extra (pip install -e ".[examples]"), or run --tiny, which '
+        "needs only the test extra."
+    )
+
+
+def worker_env() -> dict[str, str]:
+    """The workers' environment: this one, the anchors' settings, and ``.refimpl/`` on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    for key, value in anchors.ENVIRONMENT.items():
+        env.setdefault(key, value)
+    if REFIMPL.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REFIMPL), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_worker(args: argparse.Namespace, workload: str, json_path: Path, timeout: float | None) -> dict[str, Any]:
+    """Run one workload in its own process; return its JSON (partial if it crashed or timed out)."""
+    modes = args.modes if args.modes is not None else list(WORKLOADS[workload].modes)
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        f"--workload={workload}",
+        f"--modes={','.join(modes)}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--anchor-steps={args.anchor_steps}",
+        f"--anchor-warmup={args.anchor_warmup}",
+        f"--out={json_path}",
+    ] + (["--tiny"] if args.tiny else [])
+    error = None
+    try:
+        code = subprocess.run(command, env=worker_env(), timeout=timeout, check=False).returncode
+        if code != 0:
+            error = f"worker exited with code {code}"
+    except subprocess.TimeoutExpired:
+        error = f"worker killed after {timeout:.0f} s (time budget)"
+    if json_path.exists():
+        result = json.loads(json_path.read_text())
+    else:
+        result = {"workload": WORKLOADS[workload].as_dict(), "rows": [], "env": {}}
+    if error:
+        result["error"] = error
+    return result
+
+
+def measured(results: list[dict[str, Any]]) -> bool:
+    """Whether any row was measured (``status == "ok"``): only then is a report written."""
+    return any(row.get("status") == "ok" for result in results for row in result.get("rows", []))
+
+
+def capacity_measured(results: list[dict[str, Any]]) -> bool:
+    """Whether any capacity probe ran."""
+    return any(entry.get("probes") for result in results for entry in result.get("searches", []))
+
+
+def _arguments(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def run_workloads(args: argparse.Namespace, scratch: Path, started: float) -> int:
+    results = []
+    for workload in args.workloads:
+        print(f"=== {workload}", flush=True)
+        json_path = scratch / f"{workload}.worker.json"
+        timeout = args.worker_timeout
+        if args.deadline is not None:
+            # Keep a few seconds for merging and writing the report after the last worker.
+            left = args.deadline - (time.perf_counter() - started) - _REPORT_RESERVE_S
+            if left < _MIN_WORKER_S:
+                results.append({"workload": WORKLOADS[workload].as_dict(), "rows": [], "error": "skipped: deadline"})
+                continue
+            timeout = left if timeout is None else min(timeout, left)
+        results.append(report.derive(run_worker(args, workload, json_path, timeout)))
+    print(report.terminal_table(results))
+    if not measured(results):
+        errors = "; ".join(f"{r['workload']['name']}: {r.get('error', 'no row measured')}" for r in results)
+        print(f"nothing measured ({errors}): no report written to {args.out}")
+        return 1
+    merged = {
+        "name": args.device_name,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_s": time.perf_counter() - started,
+        "args": _arguments(args),
+        "results": results,
+        "verdicts": report.verdicts_json(results),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / args.device_name
+    Path(f"{base}.json").write_text(json.dumps(merged, indent=1, default=str))
+    Path(f"{base}.md").write_text(report.markdown(results, args.device_name))
+    try:
+        report.plot(results, f"{base}.png")
+    except ImportError as err:  # matplotlib is optional (the ``plot`` extra): the numbers still get written
+        print(f"no plot: {err}")
+    print(f"wrote {base}.json, .md, .png in {merged['wall_s']:.0f} s")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def run_capacity(args: argparse.Namespace, scratch: Path, started: float) -> int:
+    modes = args.modes if args.modes is not None else list(CAPACITY_MODES)
+    deadline_at = time.time() + (args.deadline - _REPORT_RESERVE_S if args.deadline is not None else 7 * 24 * 3600)
+    results = capacity.drive(
+        args.capacity_models,
+        args.caps,
+        modes,
+        args.steps,
+        args.step,
+        args.max_seq,
+        args.tiny,
+        scratch,
+        deadline_at,
+        worker_env(),
+    )
+    print(report.capacity_table(results))
+    if not capacity_measured(results):
+        errors = "; ".join(f"{r['model']['name']} @ {r['cap_gib']:g}: {r.get('error', 'no probe')}" for r in results)
+        print(f"nothing measured ({errors}): no report written to {args.out}")
+        return 1
+    document = {
+        "name": args.device_name,
+        "kind": "capacity",
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_s": time.perf_counter() - started,
+        "args": _arguments(args),
+        "capacity": results,
+        "verdicts": report.capacity_verdicts_json(results),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / args.device_name
+    Path(f"{base}.json").write_text(json.dumps(document, indent=1, default=str))
+    Path(f"{base}.md").write_text(report.capacity_markdown(results, args.device_name))
+    print(f"wrote {base}.json, .md in {document['wall_s']:.0f} s")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = missing_requirements(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    # The workers' files stay out of --out: a run that measures nothing leaves no trace there.
+    with tempfile.TemporaryDirectory(prefix="benchmarks-") as scratch:
+        if args.capacity:
+            return run_capacity(args, Path(scratch), started)
+        return run_workloads(args, Path(scratch), started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Merge benchmark runs into one report: ``python -m benchmarks.merge A.json B.json --out DIR``.
+
+A single device call may not fit every workload (each call is time-limited), so workloads run in separate calls
+and are merged here. Each workload's rows still come from one process; for a workload present in several runs,
+the last run given wins. The report names the run each workload came from. Capacity runs (``--capacity``) merge
+the same way, per model and cap, into a capacity section of the same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+
+
+def merge(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One results document from ``runs`` (as ``python -m benchmarks`` writes them, with or without --capacity)."""
+    by_workload: dict[str, dict[str, Any]] = {}
+    by_cap: dict[tuple[str, float], dict[str, Any]] = {}
+    for run in runs:
+        for result in run.get("results", []):
+            if result.get("rows"):
+                by_workload[result["workload"]["name"]] = {**result, "source_run": run["name"]}
+        for result in run.get("capacity", []):
+            if any(entry.get("probes") for entry in result.get("searches", [])):
+                by_cap[(result["model"]["name"], result["cap_gib"])] = {**result, "source_run": run["name"]}
+    results = [report.derive(result) for result in by_workload.values()]
+    merged: dict[str, Any] = {
+        "name": name,
+        "runs": {run["name"]: {k: run.get(k) for k in ("created", "wall_s", "args")} for run in runs},
+        "results": results,
+        "verdicts": report.verdicts_json(results),
+    }
+    if by_cap:
+        merged["capacity"] = list(by_cap.values())
+        merged["capacity_verdicts"] = report.capacity_verdicts_json(merged["capacity"])
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.merge", description=__doc__)
+    parser.add_argument("runs", nargs="+", type=Path, help="results JSON files, later ones win per workload")
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/out"), help="output folder (default benchmarks/out, ignored)"
+    )
+    parser.add_argument("--device-name", default="h200", help="names the outputs <out>/<name>.{json,md,png}")
+    args = parser.parse_args(argv)
+    runs = [json.loads(path.read_text()) for path in args.runs]
+    merged = merge(runs, args.device_name)
+    if not merged["results"] and not merged.get("capacity"):
+        print(f"nothing measured in {[str(p) for p in args.runs]}: no report written to {args.out}")
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / args.device_name
+    parts = []
+    if merged["results"]:
+        sources = ", ".join(f"`{r['workload']['name']}` from `{r['source_run']}`" for r in merged["results"])
+        markdown = report.markdown(merged["results"], args.device_name)
+        title, _, rest = markdown.partition("\n")
+        parts.append(f"{title}\n\nMerged from separate runs: {sources}.\n{rest}")
+        report.plot(merged["results"], f"{base}.png")
+        print(report.terminal_table(merged["results"]))
+    if merged.get("capacity"):
+        sources = ", ".join(
+            f"`{r['model']['name']}` @ {r['cap_gib']:g} GiB from `{r['source_run']}`" for r in merged["capacity"]
+        )
+        title, _, rest = report.capacity_markdown(merged["capacity"], args.device_name).partition("\n")
+        if parts:  # a section of the workloads' report: one heading level down
+            title, rest = "#" + title, rest.replace("\n## ", "\n### ")
+        parts.append(f"{title}\n\nMerged from separate runs: {sources}.\n{rest}")
+        print(report.capacity_table(merged["capacity"]))
+    Path(f"{base}.json").write_text(json.dumps(merged, indent=1, default=str))
+    Path(f"{base}.md").write_text("\n".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

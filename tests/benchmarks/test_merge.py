@@ -1,0 +1,101 @@
+"""Merging benchmark runs: later runs win per workload (and per capacity model and cap), sources are named,
+verdicts are recomputed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.merge import main, merge
+from benchmarks.workloads import CAPACITY_MODELS, WORKLOADS
+
+
+def _run(name: str, workloads: dict[str, float]) -> dict:
+    results = []
+    for workload, step in workloads.items():
+        rows = [
+            {"mode": "none", "group": "baseline", "status": "ok", "step_s": 1.0, "peak_alloc_gib": 10.0},
+            {"mode": "off", "group": "ours", "status": "ok", "step_s": step, "peak_alloc_gib": 10.0, "engine": {}},
+        ]
+        spec = {**WORKLOADS["small-h512"].as_dict(), "name": workload}
+        results.append({"workload": spec, "rows": rows})
+    results.append({"workload": {"name": "skipped"}, "rows": [], "error": "skipped: deadline"})
+    return {"name": name, "created": "now", "wall_s": 1.0, "args": {}, "results": results}
+
+
+def test_later_run_wins_and_sources_are_named(tmp_path: Path) -> None:
+    a = _run("run-a", {"w1": 1.5, "w2": 1.01})
+    b = _run("run-b", {"w1": 1.01})
+    merged = merge([a, b], "dev")
+    by_name = {r["workload"]["name"]: r for r in merged["results"]}
+    assert set(by_name) == {"w1", "w2"}  # a workload with no rows in any run is left out
+    assert by_name["w1"]["source_run"] == "run-b" and by_name["w2"]["source_run"] == "run-a"
+    off = {row["mode"]: row for row in by_name["w1"]["rows"]}["off"]
+    assert off["ratio"] == 1.01  # derived again from the winning run's rows
+    p4 = next(v for v in merged["verdicts"] if v["key"] == "P4")
+    assert p4["status"] == "met"  # both workloads' `off` within 1.02x after the merge (run-a's w1 was 1.5x)
+
+
+def test_cli_writes_report(tmp_path: Path) -> None:
+    for name, workloads in (("run-a", {"w1": 1.5}), ("run-b", {"w2": 1.0})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_run(name, workloads)))
+    assert (
+        main([str(tmp_path / "run-a.json"), str(tmp_path / "run-b.json"), "--out", str(tmp_path), "--device-name", "m"])
+        == 0
+    )
+    text = (tmp_path / "m.md").read_text()
+    assert "`w1` from `run-a`" in text and "`w2` from `run-b`" in text
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert json.loads((tmp_path / "m.json").read_text())["runs"].keys() == {"run-a", "run-b"}
+
+
+def _capacity_run(name: str, ours: dict[float, int]) -> dict:
+    def entry(mode: str, longest: int) -> dict:
+        return {
+            "mode": mode,
+            "status": "ok",
+            "step": 2048,
+            "max_seq": 131072,
+            "longest": longest,
+            "first_fail": longest + 2048,
+            "capped": False,
+            "upper": longest,
+            "probes": [{"seq": longest, "fits": True}],
+        }
+
+    results = [
+        {
+            "model": CAPACITY_MODELS["llama1b"].as_dict(),
+            "cap_gib": cap,
+            "searches": [entry("ac", 10240), entry("ours-budget", longest)],
+        }
+        for cap, longest in ours.items()
+    ]
+    results.append({"model": CAPACITY_MODELS["llama1b"].as_dict(), "cap_gib": 80, "searches": [], "error": "skipped"})
+    return {"name": name, "kind": "capacity", "created": "now", "wall_s": 1.0, "args": {}, "capacity": results}
+
+
+def test_capacity_runs_merge_per_model_and_cap(tmp_path: Path) -> None:
+    a = _capacity_run("cap-a", {24: 8192, 40: 20480})
+    b = _capacity_run("cap-b", {24: 12288})
+    merged = merge([_run("run-a", {"w1": 1.0}), a, b], "dev")
+    by_cap = {r["cap_gib"]: r for r in merged["capacity"]}
+    assert set(by_cap) == {24, 40}  # the skipped 80 GiB worker measured nothing
+    assert by_cap[24]["source_run"] == "cap-b" and by_cap[40]["source_run"] == "cap-a"
+    b3 = next(v for v in merged["capacity_verdicts"] if v["key"] == "B3")
+    assert b3["status"] == "met"  # cap-b's 12288 >= AC's 10240 at 24 GiB (cap-a's 8192 would miss)
+    for name, run in (("a", a), ("b", b), ("w", _run("run-w", {"w1": 1.0}))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    paths = [str(tmp_path / f"{n}.json") for n in ("w", "a", "b")]
+    assert main([*paths, "--out", str(tmp_path / "out"), "--device-name", "m"]) == 0
+    text = (tmp_path / "out" / "m.md").read_text()
+    assert text.startswith("# Activation offloading benchmark: m")
+    assert "\n## Capacity under hard memory caps: m" in text and "\n### llama1b" in text
+    assert "`llama1b` @ 24 GiB from `cap-b`" in text
+
+
+def test_merging_nothing_measured_writes_nothing(tmp_path: Path) -> None:
+    empty = {"name": "e", "results": [{"workload": {"name": "x"}, "rows": [], "error": "skipped: deadline"}]}
+    (tmp_path / "e.json").write_text(json.dumps(empty))
+    assert main([str(tmp_path / "e.json"), "--out", str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists()
