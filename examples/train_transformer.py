@@ -1,13 +1,16 @@
 """Train a decoder-only transformer with and without activation offloading, and compare their memory.
 
 On a GPU this trains the demo transformer (``examples/demo_model.py``) on synthetic tokens twice, once with
-``ActivationOffloadCallback(mode="off")`` (nothing offloaded; the callback only measures) and once offloading, and
-prints the peak allocated memory and the median step time of each. Without a GPU it runs a short smoke test on the
-CPU (``compute_device="cpu"``) and prints the GiB offloaded per step instead, since CUDA peaks do not exist there.
+``ActivationOffloadCallback(mode="off")`` (nothing offloaded; the callback only measures) and once with a memory
+budget of half that run's peak (``--memory-budget-gib`` to choose), and prints the plan the callback chose, the peak
+allocated memory and the median step time of each, and both runs' losses per step side by side. Without a GPU it runs
+a short smoke test on the CPU (``compute_device="cpu"``) and prints the GiB offloaded per step instead, since CUDA
+peaks do not exist there.
 
 Examples::
 
     python examples/train_transformer.py                          # GPU if present, else a CPU smoke run
+    python examples/train_transformer.py --memory-budget-gib 6    # fit the offloading run into 6 GiB
     python examples/train_transformer.py --checkpoint auto        # offloading plus checkpointing of the blocks
     python examples/train_transformer.py --max-offload-gib 4      # offload only the first 4 GiB of each forward
     python examples/train_transformer.py --memory-picture         # also draw one step's memory over time
@@ -16,6 +19,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["streamed", "sync"], default="streamed", help="offloading mode")
     parser.add_argument("--checkpoint", default=None, help="also checkpoint blocks: 'auto' or a class name")
     parser.add_argument("--max-offload-gib", type=float, default=None, help="offload at most this much per forward")
+    parser.add_argument(
+        "--memory-budget-gib", type=float, default=None, help="memory budget of the offloading run (GPU default: half)"
+    )
     parser.add_argument("--memory-picture", action="store_true", help="draw one step's memory into the log folder")
     parser.add_argument("--precision", default=None, help="Trainer precision (GPU default bf16-mixed)")
     parser.add_argument("--log-dir", default="lightning_logs", help="where CSV logs (and the picture) go")
@@ -87,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(
-    args: argparse.Namespace, sizes: dict[str, int], steps: int, gpu: bool, offload: bool
+    args: argparse.Namespace, sizes: dict[str, int], steps: int, gpu: bool, offload: bool, budget_gib: float = 0.0
 ) -> tuple[dict[str, float], StepTimer]:
     """One fit; returns the callback's epoch summaries and the per-step times and losses."""
     pl.seed_everything(0, verbose=False)
@@ -107,9 +114,12 @@ def run(
     options: dict[str, Any] = {"mode": args.mode if offload else "off", "checkpoint": args.checkpoint}
     if args.max_offload_gib is not None:
         options["max_offload_bytes"] = int(args.max_offload_gib * GiB)
+    elif offload and gpu:
+        options["memory_budget"] = int(budget_gib * GiB)
     if not gpu:
-        # The smoke model's activations are tiny: offload everything above 16 KiB, with no resident tail.
-        options.update(compute_device="cpu", min_tensor_bytes=16 << 10, resident_tail_bytes=0)
+        # The smoke model's activations are tiny: offload everything above 16 KiB, with no resident tail (no budget:
+        # the CPU has no allocator counters to plan with).
+        options.update(compute_device="cpu", min_tensor_bytes=16 << 10, resident_tail_bytes=0, memory_budget=None)
     if offload and args.memory_picture:
         options.update(memory_picture=True)
     callback = ActivationOffloadCallback(**options)
@@ -152,8 +162,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     del probe
     results: dict[str, dict[str, float]] = {}
     timers: dict[str, StepTimer] = {}
-    for label, offload in (("without offloading", False), (f"offloading ({args.mode})", True)):
-        results[label], timers[label] = run(args, sizes, steps, gpu, offload)
+    results["without offloading"], timers["without offloading"] = run(args, sizes, steps, gpu, False)
+    # The question a user asks: make it fit in less memory. Without a budget given, ask for half the plain peak.
+    plain_peak = results["without offloading"].get("offload/peak_allocated_gib_epoch_max", 0.0)
+    budget = args.memory_budget_gib or plain_peak / 2
+    label = f"offloading ({args.mode})"
+    if gpu and args.max_offload_gib is None:
+        print(
+            f"memory_budget={budget:.2f} GiB (half the plain peak of {plain_peak:.2f} GiB unless --memory-budget-gib)"
+        )
+        _show_plans()
+    results[label], timers[label] = run(args, sizes, steps, gpu, True, budget)
     times = {label: timer.median(warmup=2) for label, timer in timers.items()}
     print()
     if gpu:
@@ -172,6 +191,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             print(f"{label:24s} offloaded {offloaded:.4f} GiB per step, step time {times[label]:.3f} s")
     print_losses(timers)
     return results
+
+
+def _show_plans() -> None:
+    """Print the planner's plan lines (logged at INFO on the ``lightning_offload`` logger)."""
+    logger = logging.getLogger("lightning_offload")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("plan: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def print_losses(timers: dict[str, StepTimer]) -> None:

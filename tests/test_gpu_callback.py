@@ -56,7 +56,7 @@ def _fit(tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulat
 def test_trainer_parameters_equal(tmp_path: Path, precision: str, mode: str) -> None:
     """Two optimizer steps with gradient accumulation give the same parameters as without the callback."""
     plain = _fit(tmp_path / "plain", [], precision, accumulate=2)
-    callback = ActivationOffloadCallback(mode=mode, min_tensor_bytes=0, resident_tail_bytes=0)
+    callback = ActivationOffloadCallback(mode=mode, min_tensor_bytes=0, resident_tail_bytes=0, memory_budget=None)
     offloaded = _fit(tmp_path / "off", [callback], precision, accumulate=2)
     for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
         assert torch.equal(a, b)

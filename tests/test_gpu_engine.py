@@ -15,7 +15,7 @@ from lightning_offload.host_pool import pool_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-EVERYTHING = {"min_tensor_bytes": 0, "resident_tail_bytes": 0}
+EVERYTHING = {"min_tensor_bytes": 0, "resident_tail_bytes": 0, "memory_budget": None}
 # Bit-for-bit comparisons need deterministic kernels: embedding backward and fused attention backward use atomics.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -150,7 +150,7 @@ def test_peak_memory_lower() -> None:
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
     peaks = {}
-    for name, ctx in (("none", None), ("streamed", offload_activations(model=model))):
+    for name, ctx in (("none", None), ("streamed", offload_activations(model=model, memory_budget=None))):
         _grads(model, tokens, ctx, True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -167,7 +167,7 @@ def test_streamed_faster_than_sync() -> None:
     tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
     times = {}
     for mode in ("sync", "streamed"):
-        engine = offload_activations(mode=mode, model=model)
+        engine = offload_activations(mode=mode, model=model, memory_budget=None)
         for _ in range(2):
             _grads(model, tokens, engine, True)
         torch.cuda.synchronize()
@@ -243,7 +243,7 @@ def test_inplace_change_right_after_the_block_raises_or_is_exact(mode: str, tail
     (a * a.exp()).sum().backward()
     expected = x.grad.clone()
     x.grad = None
-    engine = offload_activations(mode=mode, min_tensor_bytes=0, resident_tail_bytes=tail)
+    engine = offload_activations(mode=mode, min_tensor_bytes=0, resident_tail_bytes=tail, memory_budget=None)
     for _ in range(3):
         x.grad = None
         with engine:
@@ -258,3 +258,55 @@ def test_inplace_change_right_after_the_block_raises_or_is_exact(mode: str, tail
         else:
             assert torch.equal(x.grad, expected), "backward silently used an in-place-modified saved tensor"
     torch.cuda.synchronize()
+
+
+def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) -> tuple[int, list[torch.Tensor]]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    grads = _grads(model, tokens, engine, True)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), grads
+
+
+@pytest.mark.parametrize("share", [0.85, 0.6])
+def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> None:
+    """A budget below the plain peak: after the measuring step every step's peak is within the budget, under a hard
+    cap at the budget (an allocation past it raises), and the gradients equal the plain ones."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=12).cuda()
+    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    budget = int(share * plain_peak)
+    total = torch.cuda.get_device_properties(0).total_memory
+    engine = offload_activations(model=model, memory_budget=budget)
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    try:
+        peaks = []
+        for _ in range(5):
+            peak, grads = _step_peak(model, tokens, engine)
+            peaks.append(peak)
+            for ref, got in zip(reference, grads, strict=True):
+                assert torch.equal(ref, got)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert engine.planner is not None and engine.planner.plan is not None and engine.planner.plan.fits
+    assert max(peaks[1:]) <= budget, (peaks, budget, engine.planner.plan)
+
+
+def test_default_budget_costs_nothing_where_the_model_fits() -> None:
+    """``offload_activations(model=model)`` on a model that fits: after the measuring step no hooks are installed,
+    nothing is offloaded, and the peak is the plain one."""
+    torch.manual_seed(0)
+    model = Net(hidden=512, layers=4).cuda()
+    tokens = torch.randint(0, 4096, (4, 1024), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, _ = _step_peak(model, tokens, None)
+    engine = offload_activations(model=model)
+    for _ in range(3):
+        peak, _ = _step_peak(model, tokens, engine)
+    assert engine.planner is not None and engine.planner.plan is not None
+    assert engine.planner.plan.offload_bytes == 0 and engine.planner.plan.checkpoint_blocks == 0
+    assert engine.stats.offloaded_bytes == 0 and engine.stats.saved_tensors == 0  # no hooks at all
+    assert peak == plain_peak

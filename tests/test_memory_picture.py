@@ -204,7 +204,12 @@ def test_memory_snapshot_on_cuda_holds_the_recorded_step(tmp_path: Path) -> None
     import pickle
 
     callback = ActivationOffloadCallback(
-        mode="streamed", min_tensor_bytes=1024, resident_tail_bytes=0, memory_picture=True, memory_snapshot=True
+        mode="streamed",
+        memory_budget=None,
+        min_tensor_bytes=1024,
+        resident_tail_bytes=0,
+        memory_picture=True,
+        memory_snapshot=True,
     )
     kwargs = trainer_kwargs(tmp_path, max_steps=4, logger=False, callbacks=[callback], accelerator="cuda")
     pl.Trainer(**kwargs).fit(make_module(pl))

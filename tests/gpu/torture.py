@@ -44,7 +44,7 @@ class Ctx:
         self.cuda = device.type == "cuda"
 
     def engine(self, **kwargs: Any) -> Any:
-        options: dict[str, Any] = {"min_tensor_bytes": 0, "resident_tail_bytes": 0}
+        options: dict[str, Any] = {"min_tensor_bytes": 0, "resident_tail_bytes": 0, "memory_budget": None}
         if not self.cuda:
             options["compute_device"] = "cpu"
         options.update(kwargs)
@@ -264,6 +264,7 @@ def lightning_cases(ctx: Ctx, root: str) -> list[Outcome]:
 
     def offload() -> ActivationOffloadCallback:
         kwargs: dict[str, Any] = {"mode": "streamed", "min_tensor_bytes": 0, "resident_tail_bytes": 0}
+        kwargs["memory_budget"] = None  # offload everything: the failure paths must see copies in flight
         if not ctx.cuda:
             kwargs["compute_device"] = "cpu"
         return ActivationOffloadCallback(**kwargs)
