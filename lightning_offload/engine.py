@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, DeviceMemory, plan_step
+from lightning_offload.budget import BudgetPlanner, DeviceMemory, plan_step, use_expandable_segments
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
@@ -179,6 +179,8 @@ class OffloadEngine:
             device = torch.device("meta")  # no real tensor lives there: nothing is eligible
         self._device = device
         self._pool = pool_for(device)
+        if device.type == "cuda" and self.options.mode != "off":
+            use_expandable_segments()  # offloading's frees would otherwise fragment reserved memory
         if self.options.mode == "streamed" and device.type != "meta":
             streams = self._streams
             if streams is None:

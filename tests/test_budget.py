@@ -305,3 +305,19 @@ def test_planner_unit_without_engine() -> None:
     memory = FakeMemory(base=GiB, transient=0)
     planner = BudgetPlanner(None, memory)
     assert planner.budget == default_budget(100 * GiB)
+
+
+def test_expandable_segments_switched_on_unless_the_user_configured_the_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_offload import budget
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert budget.use_expandable_segments()
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the off-switch
+    assert not budget.use_expandable_segments()
+    assert calls == ["expandable_segments:True"]
