@@ -14,16 +14,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
-from lightning_offload.checkpointing import (
-    apply_checkpointing,
-    checkpointed_modules,
-    parse_blocks,
-    remove_checkpointing,
-    select_blocks,
-)
+from lightning_offload.checkpointing import CHECKPOINT_DOCS, RunCheckpointing
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
-from lightning_offload.memory_picture import MemoryPicture
+from lightning_offload.memory_picture import PICTURE_OPTION_DOCS, MemoryPicture
 from lightning_offload.options import (
     DEFAULT_MIN_TENSOR_BYTES,
     DEFAULT_PREFETCH_BYTES,
@@ -33,7 +27,7 @@ from lightning_offload.options import (
     OnHostFull,
     option_docs,
 )
-from lightning_offload.reporting import StepReporter
+from lightning_offload.reporting import METRIC_DOCS, StepReporter
 from lightning_offload.stats import OffloadStats
 
 
@@ -54,56 +48,12 @@ class ActivationOffloadCallback(Callback):
 
     Args:
         {options}
-        checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
-            each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
-            (the largest ``ModuleList`` of same-class blocks), a class name or module name, an ``nn.Module``
-            subclass, or a list mixing names and classes. ``None``: leave the model as it is (the memory-budget
-            planner may still checkpoint some blocks). A manual override: it switches the planner off. A selector
-            that matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup``
-            or ``configure_model``, in ``on_fit_start``, still before any batch), listing the candidate block
-            classes. Wrappers (the planner's too) are removed at the end of the fit (``teardown``, or
-            ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
-            change.
+        {checkpoint}
         progress_bar: also show the step's peak allocated GiB in the progress bar (the offloaded GiB when the
             compute device is the CPU, where no peak is measured).
-        memory_picture: once per fit, record one training step's memory over time and write it as
-            ``offload_memory_picture.png`` into the logger's folder (and as an image to TensorBoard when a
-            TensorBoard logger is attached): allocated memory against time with forward, backward and the optimizer
-            step marked, the offloaded bytes the host holds and the bytes with a copy in flight. The second training
-            batch is recorded (the first warms the host pool up); the recorded step synchronizes the device at every
-            sample and so runs slower than the others. Needs matplotlib (checked here).
-        memory_picture_compare: with ``memory_picture``, run the batch after the recorded one without offloading
-            and draw it too, for comparison. That batch logs what it did (nothing offloaded, its peak without
-            offloading) and is left out of the epoch summaries. It needs the memory offloading saves: turn this
-            off when the model fits only with offloading. It is skipped with ``mode="off"``, gradient
-            accumulation, manual optimization and LBFGS.
-        memory_snapshot: with ``memory_picture``, also record the CUDA caching allocator's history over the recorded
-            step (``torch.cuda.memory._record_memory_history``) and write it beside the picture as
-            ``offload_memory_snapshot.pickle``, for PyTorch's memory viewer: every allocation and free of the step
-            with its Python stack. CUDA only: on another device it warns and writes no snapshot.
+        {picture}
 
-    Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
-        ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
-        micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
-        ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
-        ``offload/offloaded_gib``: bytes copied to host memory in the latest batch, in GiB.
-        ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
-        ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
-        copies in the latest batch, in milliseconds.
-        ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
-        ``offload/memory_budget_gib``: (with a memory budget, once planned) the budget, in GiB.
-        ``offload/plan_offload_gib``: the bytes of each forward the plan offloads, in GiB.
-        ``offload/plan_checkpoint_blocks``: how many blocks the plan checkpoints.
-        ``offload/plan_peak_gib``: the peak the plan predicts, in GiB.
-
-    Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
-        ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
-        ``offload/peak_reserved_gib_epoch_max``: the highest ``offload/peak_reserved_gib`` of the epoch (CUDA).
-        ``offload/offloaded_gib_epoch_mean``: the mean ``offload/offloaded_gib`` per training batch.
-        ``offload/host_pinned_gib_epoch_max``: the most host memory the pool held after a batch.
-        ``offload/stall_ms_epoch_mean``: (``mode="streamed"`` on CUDA) the mean ``offload/stall_ms`` per batch.
-        ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (with ``measure_copies=True``) the
-        epoch's bandwidth: bytes copied over time spent copying.
+    {metrics}
     """
 
     def __init__(
@@ -129,20 +79,10 @@ class ActivationOffloadCallback(Callback):
         values = dict(locals())
         shared = {name: values[name] for name in OffloadOptions.names()}
         self.options = OffloadOptions.create("ActivationOffloadCallback", **shared)
-        if checkpoint is not None:
-            parse_blocks(checkpoint, call=f"ActivationOffloadCallback(checkpoint={checkpoint!r})")
         self.checkpoint = checkpoint
-        self._checkpointed: list[str] = []  # the wrappers this callback applied in this fit, removed at its end
-        for name in ("progress_bar", "memory_picture", "memory_picture_compare", "memory_snapshot"):
-            if not isinstance(values[name], bool):
-                raise TypeError(f"ActivationOffloadCallback({name}={values[name]!r}): {name} must be True or False")
-        if memory_snapshot and not memory_picture:
-            raise ValueError(
-                "ActivationOffloadCallback(memory_snapshot=True, memory_picture=False): the snapshot covers the step "
-                "the memory picture records; pass memory_picture=True too"
-            )
-        if memory_picture:
-            _require_matplotlib()
+        call = f"ActivationOffloadCallback(checkpoint={checkpoint!r})"
+        self._manual = RunCheckpointing(checkpoint, call) if checkpoint is not None else None
+        _check_reporting_args(values)
         self.progress_bar = progress_bar
         self._reporter = StepReporter(self.options, progress_bar)
         self._picture = (
@@ -173,11 +113,8 @@ class ActivationOffloadCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_engine"] = None  # streams, events and host buffers do not cross processes
-        # Lightning attaches the module's ``log`` and ``log_dict`` to every callback at each fit: bound methods that
-        # would pickle the whole model. The next fit attaches them again.
-        state.pop("log", None)
-        state.pop("log_dict", None)
-        state["_checkpointed"] = []  # a copy applied no wrappers, so it has none to remove
+        for name in ("log", "log_dict"):  # bound methods of the module Lightning attaches per fit: the whole model
+            state.pop(name, None)
         return state
 
     @override
@@ -190,8 +127,8 @@ class ActivationOffloadCallback(Callback):
             )
         if stage != "fit":
             return
-        if self.checkpoint is not None and not _builds_layers_after_setup(pl_module):
-            self._check_checkpoint(pl_module)  # a name that matches nothing fails now, before anything runs
+        if self._manual is not None and not _builds_layers_after_setup(pl_module):
+            self._manual.check(pl_module)  # a name that matches nothing fails now, before anything runs
         options = self.options
         device = options.compute_device
         if device is None:
@@ -213,23 +150,19 @@ class ActivationOffloadCallback(Callback):
         self._shapes = None
         self._reporter.start_fit(device)
         if self._picture is not None:
-            # The comparison batch skips offloading for one whole optimizer step; under accumulation, manual
-            # optimization or LBFGS a batch is not one whole step, and with mode="off" there is nothing to compare.
-            compare_allowed = (
-                options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
-            )
-            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=compare_allowed)
+            # The comparison batch skips offloading for one whole optimizer step (not so under accumulation, manual
+            # optimization or LBFGS), and with mode="off" there is nothing to compare.
+            whole = options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
+            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=whole)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Both need what only exists now: the blocks ``configure_model`` builds, the optimizers Lightning set up.
-        if self.checkpoint is not None:
+        if self._manual is not None:
             # Checked even when the callback does nothing here (no CUDA), so a wrong name fails on every machine.
-            self._check_checkpoint(pl_module)
+            self._manual.check(pl_module)
             if self._active:
-                already = set(checkpointed_modules(pl_module))  # the user's own wrappers stay after the fit
-                applied = apply_checkpointing(pl_module, self.checkpoint)
-                self._checkpointed = [name for name in applied if name not in already]
+                self._manual.apply(pl_module)
         if not self._active:
             return
         # A batch that runs forward again after a backward (LBFGS calls its closure repeatedly; manual optimization
@@ -238,10 +171,8 @@ class ActivationOffloadCallback(Callback):
             isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
         )
         if self._engine is not None and self._engine.options.plans and pl_module.device.type == "cuda":
-            rank_zero_info(
-                f"ActivationOffloadCallback: memory_budget={self.options.memory_budget!r}; measuring the first "
-                "training batch to plan what to offload and checkpoint"
-            )
+            budget = self.options.memory_budget
+            rank_zero_info(f"ActivationOffloadCallback: memory_budget={budget!r}; measuring the first batch to plan")
 
     @override
     def on_train_batch_start(
@@ -341,16 +272,10 @@ class ActivationOffloadCallback(Callback):
             release_host_memory()
         self._active = False
 
-    def _check_checkpoint(self, pl_module: pl.LightningModule) -> None:
-        """Raise, listing the candidate block classes, when a ``checkpoint`` selector matches no module."""
-        assert self.checkpoint is not None
-        select_blocks(pl_module, self.checkpoint, call=f"ActivationOffloadCallback(checkpoint={self.checkpoint!r})")
-
     def _leave_model(self, pl_module: pl.LightningModule) -> None:
         """Remove every checkpoint wrapper this callback (or its planner) applied."""
-        if self._checkpointed:
-            remove_checkpointing(pl_module, self._checkpointed)
-            self._checkpointed = []
+        if self._manual is not None:
+            self._manual.remove(pl_module)
         if self._engine is not None and self._engine.planner is not None:
             self._engine.planner.remove()
 
@@ -358,9 +283,11 @@ class ActivationOffloadCallback(Callback):
         return f"ActivationOffloadCallback(mode={self.options.mode!r}): one training step"
 
 
-ActivationOffloadCallback.__doc__ = (ActivationOffloadCallback.__doc__ or "").replace(
-    " " * 8 + "{options}", option_docs(8)
-)
+# The options are documented once, in ``OffloadOptions`` (the picture's and ``checkpoint``'s where they are
+# implemented); the logged figures once, where they are logged.
+_doc = (ActivationOffloadCallback.__doc__ or "").replace(" " * 8 + "{options}", option_docs(8))
+_doc = _doc.replace(" " * 8 + "{picture}\n", PICTURE_OPTION_DOCS).replace(" " * 8 + "{checkpoint}\n", CHECKPOINT_DOCS)
+ActivationOffloadCallback.__doc__ = _doc.replace(" " * 4 + "{metrics}\n", METRIC_DOCS)
 
 
 def _shapes(batch: Any) -> tuple[Any, ...]:
@@ -404,3 +331,17 @@ def _require_matplotlib() -> None:
             "not installed; install it with `pip install matplotlib` (or `pip install lightning-offload[plot]`), "
             "or pass memory_picture=False"
         ) from err
+
+
+def _check_reporting_args(values: dict[str, Any]) -> None:
+    """The callback's own options (what it shows and draws): types, combinations, and matplotlib when drawing."""
+    for name in ("progress_bar", "memory_picture", "memory_picture_compare", "memory_snapshot"):
+        if not isinstance(values[name], bool):
+            raise TypeError(f"ActivationOffloadCallback({name}={values[name]!r}): {name} must be True or False")
+    if values["memory_snapshot"] and not values["memory_picture"]:
+        raise ValueError(
+            "ActivationOffloadCallback(memory_snapshot=True, memory_picture=False): the snapshot covers the step "
+            "the memory picture records; pass memory_picture=True too"
+        )
+    if values["memory_picture"]:
+        _require_matplotlib()

@@ -342,3 +342,48 @@ def _is_ancestor(parent: str, child: str) -> bool:
 def _name_order(model: nn.Module) -> Any:
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return lambda name: order.get(name, len(order))
+
+
+# The callback's ``checkpoint`` option, in the words its docstring (and ``--help``) shows.
+CHECKPOINT_DOCS = """\
+        checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
+            each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
+            (the largest ``ModuleList`` of same-class blocks), a class name or module name, an ``nn.Module``
+            subclass, or a list mixing names and classes. ``None``: leave the model as it is (the memory-budget
+            planner may still checkpoint some blocks). A manual override: it switches the planner off. A selector
+            that matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup``
+            or ``configure_model``, in ``on_fit_start``, still before any batch), listing the candidate block
+            classes. Wrappers (the planner's too) are removed at the end of the fit (``teardown``, or
+            ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
+            change.
+"""
+
+
+class RunCheckpointing:
+    """Checkpointing one caller applies for the length of a run and removes after it; the selector checked first.
+
+    Args:
+        blocks: as for :func:`apply_checkpointing`.
+        call: the call to quote in error messages.
+    """
+
+    def __init__(self, blocks: BlockSelector | Sequence[BlockSelector], call: str) -> None:
+        parse_blocks(blocks, call)
+        self.blocks, self.call = blocks, call
+        self.applied: list[str] = []  # wrappers added by this run (the model's own stay when the run ends)
+
+    def check(self, model: nn.Module) -> None:
+        """Raise, listing the candidate block classes, when a selector matches no module of ``model``."""
+        select_blocks(model, self.blocks, call=self.call)
+
+    def apply(self, model: nn.Module) -> None:
+        already = set(checkpointed_modules(model))
+        self.applied = [name for name in apply_checkpointing(model, self.blocks) if name not in already]
+
+    def remove(self, model: nn.Module) -> None:
+        if self.applied:
+            remove_checkpointing(model, self.applied)
+            self.applied = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "applied": []}  # a copy applied nothing, so it has nothing to remove

@@ -97,6 +97,12 @@ class StorageCopy:
         """Whether a tensor spanning ``[lo, hi)`` of the same storage, at ``version``, can be served from here."""
         return self.lo <= lo and hi <= self.hi and version == self.version and self.state is not State.DROPPED
 
+    def drop(self) -> None:
+        """Release everything: the step that made this copy raised, and unpacking it now is an error."""
+        self.state = State.DROPPED
+        self.src = self.fetched = self.alias = None
+        self.drop_host()
+
     def drop_host(self) -> None:
         """Return the host buffer to its pool (reused only after the last copy on it completes)."""
         host, pool = self.host, self.pool

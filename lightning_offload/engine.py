@@ -156,9 +156,7 @@ class OffloadEngine:
         self._transfer.synchronize()
         # Only this step's copies: graphs of earlier steps (a forward awaiting backward) stay valid.
         for copy in self._log.step_copies():
-            copy.state = State.DROPPED
-            copy.src = copy.fetched = copy.alias = None
-            copy.drop_host()
+            copy.drop()
         self._transfer.discard()
         if self._outbound is not None and self._inbound is not None:
             self._outbound.clear()
@@ -167,16 +165,7 @@ class OffloadEngine:
         self._counted = []
 
     def _resolve_device(self) -> None:
-        device = self.options.resolved_device()
-        if device is None:
-            # Never offload CPU tensors unless asked. Without CUDA, count and keep everything.
-            warnings.warn(
-                "offload_activations(): CUDA is not available and compute_device=None, so nothing is offloaded. "
-                "Pass compute_device='cpu' to exercise the engine on CPU tensors.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            device = torch.device("meta")  # no real tensor lives there: nothing is eligible
+        device = self.options.resolved_device() or _no_device()
         self._device = device
         self._pool = pool_for(device)
         if device.type == "cuda" and self.options.mode != "off":
@@ -313,3 +302,14 @@ def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     the garbage collector never frees. The version check is autograd's own, which hooks switch off.
     """
     return tensor.detach(), tensor._version
+
+
+def _no_device() -> torch.device:
+    """Never offload CPU tensors unless asked: without CUDA, count and keep everything (and say so once)."""
+    warnings.warn(
+        "offload_activations(): CUDA is not available and compute_device=None, so nothing is offloaded. "
+        "Pass compute_device='cpu' to exercise the engine on CPU tensors.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+    return torch.device("meta")  # no real tensor lives there: nothing is eligible

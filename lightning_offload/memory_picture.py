@@ -25,27 +25,43 @@ warning.
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
 import pickle
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 from torch import nn
 
-from lightning_offload.options import GiB
+from lightning_offload.picture_drawing import Kind, Trace, draw, save
 
 if TYPE_CHECKING:
     from lightning_offload.engine import OffloadEngine
 
-__all__ = ["MemoryPicture"]
+__all__ = ["PICTURE_OPTION_DOCS", "MemoryPicture"]
 
-Kind = Literal["offloaded", "baseline"]
+# The callback's options for the picture, in the words its docstring (and ``--help``) shows.
+PICTURE_OPTION_DOCS = """\
+        memory_picture: once per fit, record one training step's memory over time and write it as
+            ``offload_memory_picture.png`` into the logger's folder (and as an image to TensorBoard when a
+            TensorBoard logger is attached): allocated memory against time with forward, backward and the optimizer
+            step marked, the offloaded bytes the host holds and the bytes with a copy in flight. The second training
+            batch is recorded (the first warms the host pool up); the recorded step synchronizes the device at every
+            sample and so runs slower than the others. Needs matplotlib (checked here).
+        memory_picture_compare: with ``memory_picture``, run the batch after the recorded one without offloading
+            and draw it too, for comparison. That batch logs what it did (nothing offloaded, its peak without
+            offloading) and is left out of the epoch summaries. It needs the memory offloading saves: turn this
+            off when the model fits only with offloading. It is skipped with ``mode="off"``, gradient
+            accumulation, manual optimization and LBFGS.
+        memory_snapshot: with ``memory_picture``, also record the CUDA caching allocator's history over the recorded
+            step (``torch.cuda.memory._record_memory_history``) and write it beside the picture as
+            ``offload_memory_snapshot.pickle``, for PyTorch's memory viewer: every allocation and free of the step
+            with its Python stack. CUDA only: on another device it warns and writes no snapshot.
+"""
+
 FILENAME = "offload_memory_picture.png"
 SNAPSHOT_FILENAME = "offload_memory_snapshot.pickle"
 TAG = "offload/memory_picture"
@@ -56,23 +72,6 @@ _WARMUP_BATCHES = 1
 # Allocator events kept for the snapshot: a training step of a large model makes tens of thousands; each entry with
 # its Python stack is a few KiB, so this bounds the file to a few hundred MiB.
 _SNAPSHOT_MAX_ENTRIES = 100_000
-
-
-@dataclass
-class _Trace:
-    """Samples of one recorded step. Times in seconds from the batch start; memory in bytes."""
-
-    kind: Kind
-    t: list[float] = field(default_factory=list)
-    device_bytes: list[int] = field(default_factory=list)
-    host_held: list[int] = field(default_factory=list)
-    inflight: list[int] = field(default_factory=list)
-    offloaded: list[int] = field(default_factory=list)
-    marks: dict[str, float] = field(default_factory=dict)  # phase name -> start time
-
-    @property
-    def peak(self) -> int:
-        return max(self.device_bytes, default=0)
 
 
 class MemoryPicture:
@@ -97,8 +96,8 @@ class MemoryPicture:
         self._snapshot: dict[str, Any] | None = None  # the recorded step's allocator snapshot, until written
         self._recording_history = False
         self._plan: dict[int, Kind] = {}
-        self._traces: list[_Trace] = []
-        self._trace: _Trace | None = None
+        self._traces: list[Trace] = []
+        self._trace: Trace | None = None
         self._handles: list[Any] = []
         self._engine: OffloadEngine | None = None
         self._device: torch.device | None = None
@@ -182,7 +181,7 @@ class MemoryPicture:
         self.close()
         self._device = device
         self._engine = engine if kind == "offloaded" else None
-        self._trace = _Trace(kind)
+        self._trace = Trace(kind)
         self._sync()
         self._t0 = time.perf_counter()
         self._trace.marks["forward"] = 0.0
@@ -312,116 +311,10 @@ class MemoryPicture:
                 pickle.dump(self._snapshot, handle)
             self._snapshot = None
             self.snapshot_path = snapshot_path
-        import numpy as np
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        figure = self._draw(title)
-        canvas = FigureCanvasAgg(figure)
-        canvas.draw()
-        path = Path(log_dir) / FILENAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=figure.dpi)
-        image = np.asarray(canvas.buffer_rgba())[..., :3].copy()
-        for logger in loggers:
-            experiment = getattr(logger, "experiment", None)
-            add_image = getattr(experiment, "add_image", None)
-            if callable(add_image):
-                add_image(TAG, image, global_step=step, dataformats="HWC")
-                flush = getattr(experiment, "flush", None)
-                if callable(flush):
-                    flush()
+        cuda = self._device is not None and self._device.type == "cuda"
+        path = save(draw(self._traces, title, cuda=cuda), Path(log_dir) / FILENAME, loggers, step, TAG)
         self.path = path
         return path
-
-    def _draw(self, title: str) -> Any:
-        from matplotlib.figure import Figure
-
-        cuda = self._device is not None and self._device.type == "cuda"
-        figure = Figure(figsize=(10, 6.5), dpi=100, layout="constrained")
-        top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-        colours = {"offloaded": "tab:blue", "baseline": "tab:red"}
-        names = {"offloaded": "with offloading", "baseline": "without offloading"}
-        phase_colours = {"forward": "#dbe9f6", "backward": "#fde4cf", "optimizer": "#e5e5e5"}
-        for trace in self._traces:
-            ms = [t * 1e3 for t in trace.t]
-            label = f"{names[trace.kind]} (peak {trace.peak / GiB:.3f} GiB)"
-            top.plot(
-                ms,
-                [b / GiB for b in trace.device_bytes],
-                color=colours[trace.kind],
-                lw=1.6,
-                label=label,
-                drawstyle="steps-post",
-            )
-            spans = _phase_spans(trace)
-            if trace.kind == "offloaded" or len(self._traces) == 1:
-                for name, lo, hi in spans:
-                    for ax in (top, bottom):
-                        ax.axvspan(lo * 1e3, hi * 1e3, color=phase_colours.get(name, "#eeeeee"), zorder=0)
-                    top.text(
-                        (lo + hi) / 2 * 1e3,
-                        1.0,
-                        name,
-                        transform=top.get_xaxis_transform(),
-                        ha="center",
-                        va="bottom",
-                        fontsize=8,
-                    )
-            else:
-                for _, lo, _ in spans[1:]:
-                    top.axvline(lo * 1e3, color=colours[trace.kind], ls=":", lw=1)
-            if trace.kind == "offloaded":
-                bottom.fill_between(
-                    ms,
-                    [b / GiB for b in trace.host_held],
-                    step="post",
-                    alpha=0.35,
-                    color="tab:green",
-                    label="host memory holding offloaded activations",
-                )
-                bottom.plot(
-                    ms,
-                    [b / GiB for b in trace.offloaded],
-                    color="tab:purple",
-                    lw=1.2,
-                    label="offloaded so far in this step",
-                )
-                bottom.plot(
-                    ms,
-                    [b / GiB for b in trace.inflight],
-                    color="tab:orange",
-                    lw=1.2,
-                    label="device bytes with a copy in flight",
-                )
-        top.set_ylabel("allocated GiB" if cuda else "process RSS GiB (CPU run)")
-        top.legend(loc="upper left", fontsize=8)
-        top.grid(alpha=0.3)
-        bottom.set_ylabel("GiB")
-        bottom.set_xlabel("time since batch start (ms); samples synchronize the device, so the step runs slower")
-        handles, _ = bottom.get_legend_handles_labels()
-        if handles:
-            bottom.legend(loc="upper left", fontsize=8)
-        bottom.grid(alpha=0.3)
-        lines = [title] if title else []
-        peaks = {t.kind: t.peak for t in self._traces}
-        if "offloaded" in peaks and "baseline" in peaks and peaks["baseline"] > 0:
-            saved = 1 - peaks["offloaded"] / peaks["baseline"]
-            lines.append(
-                f"peak {peaks['offloaded'] / GiB:.3f} GiB with offloading vs {peaks['baseline'] / GiB:.3f} GiB "
-                f"without ({saved:+.0%} saved)"
-            )
-        figure.suptitle("\n".join(lines) or "one training step", fontsize=10)
-        return figure
-
-
-def _phase_spans(trace: _Trace) -> list[tuple[str, float, float]]:
-    """(phase, start, end) in time order, from the phase marks of a trace."""
-    ordered = sorted(trace.marks.items(), key=lambda item: item[1])
-    spans = []
-    for (name, start), (_, end) in itertools.pairwise(ordered):
-        if name != "end" and end > start:
-            spans.append((name, start, end))
-    return spans
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -14,6 +14,32 @@ from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import GiB, OffloadOptions
 from lightning_offload.stats import OffloadStats
 
+# Every figure the callback logs, in the words its docstring (and ``--help``) shows.
+METRIC_DOCS = """\
+    Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
+        ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
+        micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
+        ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
+        ``offload/offloaded_gib``: bytes copied to host memory in the latest batch, in GiB.
+        ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
+        ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
+        copies in the latest batch, in milliseconds.
+        ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
+        ``offload/memory_budget_gib``: (with a memory budget, once planned) the budget, in GiB.
+        ``offload/plan_offload_gib``: the bytes of each forward the plan offloads, in GiB.
+        ``offload/plan_checkpoint_blocks``: how many blocks the plan checkpoints.
+        ``offload/plan_peak_gib``: the peak the plan predicts, in GiB.
+
+    Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
+        ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
+        ``offload/peak_reserved_gib_epoch_max``: the highest ``offload/peak_reserved_gib`` of the epoch (CUDA).
+        ``offload/offloaded_gib_epoch_mean``: the mean ``offload/offloaded_gib`` per training batch.
+        ``offload/host_pinned_gib_epoch_max``: the most host memory the pool held after a batch.
+        ``offload/stall_ms_epoch_mean``: (``mode="streamed"`` on CUDA) the mean ``offload/stall_ms`` per batch.
+        ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (with ``measure_copies=True``) the
+        epoch's bandwidth: bytes copied over time spent copying.
+"""
+
 
 class StepReporter:
     """Measures and logs one training batch after another for :class:`~lightning_offload.ActivationOffloadCallback`.
