@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
@@ -78,6 +79,7 @@ def _sync(device: torch.device) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run the CPU smoke test even when a GPU is present")
+    parser.add_argument("--fast", action="store_true", help="fused (non-deterministic) kernels: losses may differ")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (GPU 12, CPU 4)")
     parser.add_argument("--mode", choices=["streamed", "sync"], default="streamed", help="offloading mode")
     parser.add_argument("--checkpoint", default=None, help="also checkpoint blocks: 'auto' or a class name")
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parse_args(argv)
     quiet_lightning()
     gpu = torch.cuda.is_available() and not args.cpu
+    if gpu and not args.fast:
+        deterministic_kernels()
     sizes = dict(GPU_SIZES if gpu else CPU_SIZES)
     for name in sizes:
         if getattr(args, name) is not None:
@@ -191,6 +195,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             print(f"{label:24s} offloaded {offloaded:.4f} GiB per step, step time {times[label]:.3f} s")
     print_losses(timers)
     return results
+
+
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits every run, so the two runs' losses can be compared digit for digit.
+
+    cuBLAS with a fixed workspace, deterministic index kernels, and the math attention kernel (the fused ones
+    accumulate with atomics). Slower, and attention then saves its probabilities: ``--fast`` skips this.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _show_plans() -> None:

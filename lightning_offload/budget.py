@@ -35,6 +35,11 @@ GiB = 1 << 30
 # budget leaves this share of the total (at least _MIN_MARGIN) unplanned.
 _MARGIN_SHARE = 0.08
 _MIN_MARGIN = 3 * GiB
+# Plans aim this far below the budget.
+_PLAN_MARGIN_SHARE = 0.03
+# A later step's measurement replans when it moves the non-activation part of the peak by more than this share of
+# the budget (smaller moves are noise: allocator rounding, a different loss value's kernels).
+_REPLAN_SHARE = 0.02
 # A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
 _KEEP_ALL = 1 << 62
 # The measuring step starts offloading once allocated memory passes the budget less this share of it: what backward
@@ -168,18 +173,24 @@ class BudgetPlanner:
             self._choose()
         elif self.plan is not None and self.profile is not None:
             p = self.profile
-            if peak > self.budget:
-                # The model was wrong by ``peak - predicted``: hold that much more as fixed and plan again.
-                self.profile = dataclasses.replace(p, peak=p.peak + max(peak - self.plan.peak, peak - self.budget))
-                self._choose()
-            elif 0 < forward_ms < 0.9 * p.forward_ms:
+            # What this step's peak held besides activations: its peak less the activations it kept (all of them
+            # when the hooks were not installed). A measuring step that began offloading halfway misjudges this;
+            # every later step measures it again, so the plan follows what the device really does.
+            kept = max(0, eligible - offloaded) if eligible else p.eligible
+            fixed, was = peak - kept, p.peak - p.resident
+            changed = abs(fixed - was) > self.budget * _REPLAN_SHARE or peak > self.budget
+            if 0 < forward_ms < 0.9 * p.forward_ms:
                 # A measuring step that offloaded waited for its copies: a later, lighter forward is the truer pace.
-                self.profile = dataclasses.replace(p, forward_ms=forward_ms)
+                p, changed = dataclasses.replace(p, forward_ms=forward_ms), True
+            if changed:
+                self.profile = dataclasses.replace(p, peak=max(fixed, peak - kept) + p.resident)
                 self._choose()
 
     def _choose(self) -> None:
         assert self.profile is not None
-        plan = plan_for_budget(self.profile, self.budget)
+        # Plan for a little less than the budget: the allocator rounds blocks up, and a hard cap counts reserved bytes.
+        plan = plan_for_budget(self.profile, self.budget - int(self.budget * _PLAN_MARGIN_SHARE))
+        plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
         changed = plan != self.plan
         self.plan = plan
         if changed:
