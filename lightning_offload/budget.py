@@ -1,12 +1,14 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
-The first step (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) is the measuring step: it
-keeps every saved tensor on the device, counts what forward saves block by block and times forward, unless device
-memory passes a watermark below the budget, from where on it offloads everything it can (so the measuring step stays
-safe where the model does not fit). From that profile :func:`~lightning_offload.schedule.plan_for_budget` picks how
-many bytes leave and how many blocks are checkpointed; the engine applies the plan. A plan that offloads nothing does
+The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
+each keeps every saved tensor on the device, counts what forward saves block by block and times forward, unless
+device memory passes a watermark below the budget, from where on it offloads everything it can (so measuring stays
+safe where the model does not fit). Two, because the optimizer allocates its state in the first step. From that
+profile :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are
+checkpointed; the engine applies the plan. A plan that offloads nothing does
 not even install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects
-the model and plans again.
+the model (only towards memory: a plan never relaxes on a lighter step, which could pass a hard cap on the next)
+and plans again.
 
 Torch only: no Lightning import.
 """
@@ -36,7 +38,10 @@ GiB = 1 << 30
 _MARGIN_SHARE = 0.08
 _MIN_MARGIN = 3 * GiB
 # Plans aim this far below the budget.
-_PLAN_MARGIN_SHARE = 0.03
+_PLAN_MARGIN_SHARE = 0.05
+# Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
+# allocated at the first step), so the second is the one every later step looks like.
+_MEASURED_STEPS = 2
 # A later step's measurement replans when it moves the non-activation part of the peak by more than this share of
 # the budget (smaller moves are noise: allocator rounding, a different loss value's kernels).
 _REPLAN_SHARE = 0.02
@@ -117,6 +122,8 @@ class BudgetPlanner:
         self._blocks = _blocks_of(model)
         self._checkpointed: list[str] = []
         self._measuring = False
+        self._measure_left = _MEASURED_STEPS  # steps still to measure before the first plan
+        self.tripped = False  # the measuring step passed its watermark and began offloading
         self._stepping = False
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
         self._handles: list[Any] = []
@@ -129,16 +136,18 @@ class BudgetPlanner:
     def replan(self) -> None:
         """Measure again at the next step (the input's shape changed, or the model did)."""
         self.profile = None
+        self._measure_left = max(self._measure_left, 1)
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
         if self.owns_peaks:
             self.memory.reset_peak()
         self._stepping = True
-        if self.profile is not None and self.plan is not None:
+        if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._apply_checkpointing(self.plan.checkpoint_blocks)
             return self.plan
         self._measuring = True
+        self.tripped = False
         self._apply_checkpointing(0)
         self._base = self.memory.allocated()
         self.watermark = self.budget - int(self.budget * _RESERVE_SHARE)
@@ -154,6 +163,7 @@ class BudgetPlanner:
         peak = self.memory.peak()
         if self._measuring:
             self._measuring = False
+            self._measure_left -= 1
             self.watermark = None
             self._unwatch_blocks()
             blocks = [m for m in self._marks.values() if m[1] > m[0]]
@@ -161,7 +171,9 @@ class BudgetPlanner:
             input_bytes = sum(m[2] for m in blocks) // len(blocks) if blocks else 0
             self.profile = StepProfile(
                 peak=peak,
-                resident=max(0, eligible - offloaded),
+                # Once past the watermark, what was kept until then left the device at some point of the step: not
+                # knowing when the peak came, count none of it as kept (the plan then errs on the side of memory).
+                resident=0 if self.tripped else max(0, eligible - offloaded),
                 eligible=eligible,
                 forward_ms=forward_ms,
                 link_bytes_per_ms=link_bytes_per_ms,
@@ -170,15 +182,16 @@ class BudgetPlanner:
                 block_input_bytes=input_bytes,
                 **extra,
             )
-            self._choose()
+            if self._measure_left <= 0:
+                self._choose()
         elif self.plan is not None and self.profile is not None:
             p = self.profile
             # What this step's peak held besides activations: its peak less the activations it kept (all of them
-            # when the hooks were not installed). A measuring step that began offloading halfway misjudges this;
-            # every later step measures it again, so the plan follows what the device really does.
+            # when the hooks were not installed). Only a rise moves the plan (towards memory): a plan that relaxed on
+            # a lighter step could pass a hard cap on the next.
             kept = max(0, eligible - offloaded) if eligible else p.eligible
             fixed, was = peak - kept, p.peak - p.resident
-            changed = abs(fixed - was) > self.budget * _REPLAN_SHARE or peak > self.budget
+            changed = fixed > was + self.budget * _REPLAN_SHARE or peak > self.budget
             if 0 < forward_ms < 0.9 * p.forward_ms:
                 # A measuring step that offloaded waited for its copies: a later, lighter forward is the truer pace.
                 p, changed = dataclasses.replace(p, forward_ms=forward_ms), True

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -132,9 +131,7 @@ class OffloadEngine:
         self.install()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         self.uninstall()
         if exc_type is not None:
             self.reset()
@@ -225,7 +222,7 @@ class OffloadEngine:
             outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
         if self._watermark is not None and self.planner.memory.allocated() > self._watermark:  # type: ignore[union-attr]
-            self._watermark = None
+            self._watermark, self.planner.tripped = None, True  # type: ignore[union-attr]
             outbound.tail = 0  # the measuring step nears the budget: everything saved so far may leave now
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)

@@ -270,7 +270,7 @@ def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) ->
 
 @pytest.mark.parametrize("share", [0.85, 0.6])
 def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> None:
-    """A budget below the plain peak: after the measuring step every step's peak is within the budget, under a hard
+    """A budget below the plain peak: after the two measuring steps every step's peak is within the budget, under a hard
     cap at the budget (an allocation past it raises), and the gradients equal the plain ones."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
@@ -292,7 +292,7 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert engine.planner is not None and engine.planner.plan is not None and engine.planner.plan.fits
-    assert max(peaks[1:]) <= budget, (peaks, budget, engine.planner.plan)
+    assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 
 def test_default_budget_costs_nothing_where_the_model_fits() -> None:
@@ -304,7 +304,7 @@ def test_default_budget_costs_nothing_where_the_model_fits() -> None:
     _grads(model, tokens, None, True)
     plain_peak, _ = _step_peak(model, tokens, None)
     engine = offload_activations(model=model)
-    for _ in range(3):
+    for _ in range(4):
         peak, _ = _step_peak(model, tokens, engine)
     assert engine.planner is not None and engine.planner.plan is not None
     assert engine.planner.plan.offload_bytes == 0 and engine.planner.plan.checkpoint_blocks == 0
