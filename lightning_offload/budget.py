@@ -7,8 +7,7 @@ safe where the model does not fit). Two, because the optimizer allocates its sta
 profile :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are
 checkpointed; the engine applies the plan. A plan that offloads nothing does
 not even install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects
-the model (only towards memory: a plan never relaxes on a lighter step, which could pass a hard cap on the next)
-and plans again.
+the model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next).
 
 Torch only: no Lightning import.
 """
@@ -125,6 +124,7 @@ class BudgetPlanner:
         self._measure_left = _MEASURED_STEPS  # steps still to measure before the first plan
         self.tripped = False  # the measuring step passed its watermark and began offloading
         self._stepping = False
+        self._backward_peak = 0
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
         self._handles: list[Any] = []
         self._base = 0
@@ -132,6 +132,10 @@ class BudgetPlanner:
     @property
     def measuring(self) -> bool:
         return self._measuring
+
+    def backward_finished(self) -> None:
+        """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
+        self._backward_peak = max(self._backward_peak, self.memory.peak())
 
     def replan(self) -> None:
         """Measure again at the next step (the input's shape changed, or the model did)."""
@@ -143,6 +147,7 @@ class BudgetPlanner:
         if self.owns_peaks:
             self.memory.reset_peak()
         self._stepping = True
+        self._backward_peak = 0
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._apply_checkpointing(self.plan.checkpoint_blocks)
             return self.plan
@@ -160,7 +165,9 @@ class BudgetPlanner:
         if not self._stepping:
             return
         self._stepping = False
-        peak = self.memory.peak()
+        # The peak noted when backward finished, or read now: a caller may reset the counters between steps (a
+        # benchmark, a logger), and the optimizer may allocate its state after backward.
+        peak, self._backward_peak = max(self._backward_peak, self.memory.peak()), 0
         if self._measuring:
             self._measuring = False
             self._measure_left -= 1
@@ -191,12 +198,17 @@ class BudgetPlanner:
             # a lighter step could pass a hard cap on the next.
             kept = max(0, eligible - offloaded) if eligible else p.eligible
             fixed, was = peak - kept, p.peak - p.resident
-            changed = fixed > was + self.budget * _REPLAN_SHARE or peak > self.budget
+            if fixed > was + self.budget * _REPLAN_SHARE or peak > self.budget:
+                # Heavier than thought: hold more as fixed. Never the other way: a plan relaxed on a lighter step can
+                # pass a hard cap on the next (measured on an H200), so plans approach the budget from below only.
+                p = dataclasses.replace(p, peak=max(fixed, was + peak - self.budget) + p.resident)
+                self.profile, changed = p, True
+            else:
+                changed = False
             if 0 < forward_ms < 0.9 * p.forward_ms:
                 # A measuring step that offloaded waited for its copies: a later, lighter forward is the truer pace.
-                p, changed = dataclasses.replace(p, forward_ms=forward_ms), True
+                self.profile, changed = dataclasses.replace(p, forward_ms=forward_ms), True
             if changed:
-                self.profile = dataclasses.replace(p, peak=max(fixed, peak - kept) + p.resident)
                 self._choose()
 
     def _choose(self) -> None:

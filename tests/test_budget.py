@@ -79,12 +79,13 @@ class FakeMemory:
         return now
 
     def peak(self) -> int:
-        peak = max(self._peak, self.base + self.transient + self._resident())
-        self.peaks.append(peak)
-        return peak
+        return max(self._peak, self.base + self.transient + self._resident())
 
     def reset_peak(self) -> None:
+        """A step begins (the planner resets at every step): record the finished step's peak first."""
         assert self.engine is not None
+        if self._finished is not None or self.engine.collect_stats(wait=False).saved_tensors:
+            self.peaks.append(self.peak())
         self._finished = self.engine.collect_stats(wait=False)  # a new step begins; these counters are the last one's
         self._peak = 0
 
