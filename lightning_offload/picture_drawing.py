@@ -75,20 +75,11 @@ def draw(traces: list[Trace], title: str, cuda: bool) -> Any:
                 color="tab:green",
                 label="host memory holding offloaded activations",
             )
-            bottom.plot(
-                ms,
-                [b / GiB for b in trace.offloaded],
-                color="tab:purple",
-                lw=1.2,
-                label="offloaded so far in this step",
-            )
-            bottom.plot(
-                ms,
-                [b / GiB for b in trace.inflight],
-                color="tab:orange",
-                lw=1.2,
-                label="device bytes with a copy in flight",
-            )
+            for values, colour, label in (
+                (trace.offloaded, "tab:purple", "offloaded so far in this step"),
+                (trace.inflight, "tab:orange", "device bytes with a copy in flight"),
+            ):
+                bottom.plot(ms, [b / GiB for b in values], color=colour, lw=1.2, label=label)
     top.set_ylabel("allocated GiB" if cuda else "process RSS GiB (CPU run)")
     top.legend(loc="upper left", fontsize=8)
     top.grid(alpha=0.3)
