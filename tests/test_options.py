@@ -151,3 +151,18 @@ def test_failed_creation_leaves_no_engine_state() -> None:
         loss = torch.tanh(x * 1.0).sum()
     loss.backward()
     assert engine.stats.offloaded_bytes == 8 * 8 * 4
+
+
+def test_both_signatures_take_every_option_with_its_default() -> None:
+    """``OffloadOptions`` is the one home of the options: the context manager and the callback take each of its
+    fields, with the same default (``compute_device``'s string form aside), and nothing else under an option's name."""
+    import dataclasses
+    import inspect
+
+    from lightning_offload import ActivationOffloadCallback, offload_activations
+
+    for call in (offload_activations, ActivationOffloadCallback.__init__):
+        parameters = inspect.signature(call).parameters
+        for field in dataclasses.fields(OffloadOptions):
+            assert field.name in parameters, f"{call.__qualname__} lacks {field.name}"
+            assert parameters[field.name].default == field.default, (call.__qualname__, field.name)
