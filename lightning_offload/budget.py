@@ -46,9 +46,11 @@ _MEASURED_STEPS = 2
 _REPLAN_SHARE = 0.02
 # A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
 _KEEP_ALL = 1 << 62
-# The measuring step starts offloading once allocated memory passes the budget less this share of it: what backward
-# and the loss add on top of forward's activations is not known yet.
-_RESERVE_SHARE = 0.25
+# The measuring steps start offloading once allocated memory passes the budget less this share of it: what backward,
+# the loss and the optimizer's first step add on top of forward's activations is not known yet. A budget given by the
+# user is often a hard limit (a shared GPU, a cap): half of it stays free while measuring. The device's own memory
+# ("auto") keeps a quarter, so a model that uses most of the GPU but fits is measured without offloading.
+_RESERVE_SHARE = {True: 0.5, False: 0.25}
 
 
 class DeviceMemory:
@@ -112,6 +114,7 @@ class BudgetPlanner:
     ) -> None:
         self.memory = memory
         self.budget = budget if budget is not None else default_budget(memory.total())
+        self._reserve = int(self.budget * _RESERVE_SHARE[budget is not None])
         self.owns_peaks = owns_peaks
         self.plan: Plan | None = None
         self.profile: StepProfile | None = None
@@ -155,7 +158,7 @@ class BudgetPlanner:
         self.tripped = False
         self._apply_checkpointing(0)
         self._base = self.memory.allocated()
-        self.watermark = self.budget - int(self.budget * _RESERVE_SHARE)
+        self.watermark = self.budget - self._reserve
         self._marks = {}
         self._watch_blocks(position)
         return None

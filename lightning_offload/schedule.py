@@ -183,7 +183,8 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
 
     The peak of the measured step, less the activations it kept, is what the peak holds besides activations (weights,
     gradients, optimizer state, the loss's transient). Each plan keeps ``eligible(k) - offloaded`` bytes of
-    activations on top of that, where checkpointing ``k`` blocks shrinks what is saved to their inputs. For every
+    activations on top of that, where checkpointing ``k`` blocks shrinks what is saved to their inputs (and backward
+    rebuilds one block's activations at a time). For every
     ``k`` the least offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
@@ -197,6 +198,8 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
         movable = max(0, eligible - profile.tail)
         need = min(movable, max(0, eligible - room))
         peak = fixed + eligible - need + (min(need, profile.offload_overhead) if need else 0)
+        if k:  # backward recomputes one checkpointed block at a time: its activations exist once more, briefly
+            peak += profile.block_bytes
         if need and peak > budget:  # the overhead itself: offload that much more, if there is more to offload
             extra = min(movable - need, peak - budget)
             need += extra

@@ -139,7 +139,8 @@ def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting
     """Weights and transients alone (20 GiB) exceed the budget: nothing fits, the plan says so."""
     plan = plan_for_budget(profile(), budget=19 * GiB)
     assert not plan.fits
-    assert plan.checkpoint_blocks == 10  # everything checkpointed and offloaded: the least memory there is
+    # Offloading all but the tail holds less than checkpointing, whose backward rebuilds a 1 GiB block at a time.
+    assert (plan.checkpoint_blocks, plan.offload_bytes) == (0, 10 * GiB - 256 * MiB)
     assert plan.peak > 19 * GiB
     assert "does NOT fit" in plan.describe(19 * GiB)
 
