@@ -250,7 +250,7 @@ class OffloadEngine:
         """End the open forward: the pending tail stays resident, and its offloaded copies queue for prefetch."""
         if not self._log.forward_open:
             return
-        if self.planner is not None and torch._C._current_graph_task_id() != -1:  # first unpack: backward runs
+        if self.planner is not None and policy.backward_running():  # the first unpack: backward has started
             torch.autograd.Variable._execution_engine.queue_callback(self.planner.backward_finished)
         assert self._outbound is not None and self._inbound is not None
         offloaded = self._outbound.end_forward(self._stats)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.host_pool import pool_for
 from lightning_offload.metrics import HOST_PINNED, OFFLOADED
 from lightning_offload.options import GiB
+from tests import processes
 from tests.ddp_script import BATCH, OFFLOAD_OPTIONS, STEPS, WORLD, TokenData, TokenMLP
 
 pytestmark = pytest.mark.skipif(
@@ -89,27 +89,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     for strategy, port in zip(STRATEGIES, _free_ports(len(STRATEGIES)), strict=True):
         out = tmp_path_factory.mktemp(strategy)
         env = {**base_env, "MASTER_PORT": str(port)}
-        command = [sys.executable, str(SCRIPT), str(out), strategy]
-        # A session of its own, so a hung run is killed with every process it started (and only those).
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        started[strategy] = (proc, out)
+        started[strategy] = (processes.start([sys.executable, str(SCRIPT), str(out), strategy], env), out)
     results: dict[str, Run] = {}
     failures: list[str] = []
     try:
         for strategy, (proc, out) in started.items():
-            try:
-                log, _ = proc.communicate(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                log, _ = proc.communicate()
+            log, in_time = processes.finish(proc, TIMEOUT_S)
+            if not in_time:
                 failures.append(f"strategy={strategy!r}: no result within {TIMEOUT_S} s; output:\n{_tail(log)}")
                 continue
             if proc.returncode != 0:
@@ -118,9 +104,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
             results[strategy] = Run(out, _tail(log))
     finally:
         for proc, _ in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            processes.kill(proc)
     if failures:
         pytest.fail("\n\n".join(failures), pytrace=False)
     yield results

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from lightning_offload import ActivationOffloadCallback
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.fabric import fabric_offload
 from lightning_offload.options import GiB
+from tests import processes
 from tests.fabric_script import OFFLOAD_OPTIONS, STEPS, batch_for, train
 from tests.tiny_modules import OFFLOAD_ALL
 
@@ -81,21 +80,9 @@ def test_two_processes_match_training_without_offloading_and_split_the_host_limi
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    # A session of its own, so a hung run is killed with the rank it started (and only those).
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(tmp_path), "2"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+    proc = processes.start([sys.executable, str(SCRIPT), str(tmp_path), "2"], env)
+    log, in_time = processes.finish(proc, TIMEOUT_S)
+    if not in_time:
         pytest.fail(f"no result within {TIMEOUT_S} s; output:\n{log[-6000:]}")
     assert proc.returncode == 0, log[-6000:]
     records = [load(tmp_path, f"offload_rank{rank}.json") for rank in range(2)]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import processes
 from tests.fsdp2_script import STEPS, TOKENS, WORLD
 
 pytestmark = pytest.mark.skipif(
@@ -59,21 +58,9 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Out:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
-    # A session of its own, so a hung run is killed with every process it started (and only those).
-    proc = subprocess.Popen(
-        [*command, str(SCRIPT), str(path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+    proc = processes.start([*command, str(SCRIPT), str(path)], env)
+    log, in_time = processes.finish(proc, TIMEOUT_S)
+    if not in_time:
         pytest.fail(f"no result within {TIMEOUT_S} s; output:\n{log[-6000:]}", pytrace=False)
     # A run that crashes (a segfault, say) still leaves the files of the runs before it for the other tests.
     return Out(path, proc.returncode, log[-6000:])

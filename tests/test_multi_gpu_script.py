@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from tests import processes
 from tests.gpu.multi_gpu_report import GiB, Row, dry_rows, finish, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,14 +32,9 @@ def _run(args: list[str], launcher: list[str] | None = None) -> subprocess.Compl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, *(launcher or []), "-m", "tests.gpu.multi_gpu", *args]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, and only those
-        out, _ = proc.communicate()
+    proc = processes.start(command, env)
+    out, in_time = processes.finish(proc, TIMEOUT_S)
+    if not in_time:
         pytest.fail(f"{command}: no result within {TIMEOUT_S} s; output:\n{out[-6000:]}", pytrace=False)
     return subprocess.CompletedProcess(command, proc.returncode, out, None)
 
