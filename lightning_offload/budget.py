@@ -86,9 +86,15 @@ def use_expandable_segments() -> bool:
     """
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
+    # Newer torch moved the setting to the accelerator API (the CUDA one warns that it is deprecated there).
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )
+    if setting is None:
+        return False
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    except (AttributeError, RuntimeError):  # an older torch, or a backend without the setting
+        setting("expandable_segments:True")
+    except RuntimeError:  # a backend without the setting
         return False
     return True
 

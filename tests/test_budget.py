@@ -321,7 +321,7 @@ def test_expandable_segments_switched_on_unless_the_user_configured_the_allocato
     from lightning_offload import budget
 
     calls: list[str] = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert budget.use_expandable_segments()
