@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks import anchors, models, search
-from benchmarks.workloads import CAPACITY_MODELS, CAPACITY_STEP, MODES, Mode, Workload, tiny
+from benchmarks.workloads import CAPACITY_MODELS, CAPACITY_STEP, MODES, Mode, Workload, tiny, worker_modes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -507,10 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     anchors.prepare_process()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        parser.error(f"--modes {args.modes!r}: unknown {unknown}; known: {sorted(MODES)}")
+    modes = worker_modes(parser, args.modes)
     return run_worker(
         args.model,
         args.cap_gib,

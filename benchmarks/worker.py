@@ -37,6 +37,7 @@ from benchmarks.workloads import (
     ordered,
     planner_available,
     tiny,
+    worker_modes,
 )
 from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
@@ -559,10 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     # Deprecation notices of the libraries would bury the progress lines in the lead's 12k-character log tail.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown mode(s) {unknown}; known: {sorted(MODES)}")
+    modes = worker_modes(parser, args.modes)
     run_workload(
         args.workload, modes, args.steps, args.warmup, args.tiny, args.out, args.anchor_steps, args.anchor_warmup
     )

@@ -6,6 +6,7 @@ Workloads are random-init Llama shapes trained at a fixed batch and sequence; ca
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -300,3 +301,12 @@ def engine_kwargs(mode: Mode, tiny_run: bool) -> dict[str, Any]:
         kwargs.setdefault("min_tensor_bytes", 1024)
         kwargs.setdefault("resident_tail_bytes", 256 * MiB // TINY_BYTE_SCALE)
     return kwargs
+
+
+def worker_modes(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The ``--modes`` of a worker process, checked against :data:`MODES` (a usage error names the unknown ones)."""
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes {text!r}: unknown {unknown}; known: {sorted(MODES)}")
+    return modes

@@ -325,3 +325,14 @@ def tanh_chain(x: torch.Tensor, n: int) -> list[torch.Tensor]:
         h = torch.tanh(h)
         outs.append(h)
     return outs
+
+
+def assert_inplace_error_or_exact_grad(loss: torch.Tensor, leaf: torch.Tensor, expected: torch.Tensor) -> None:
+    """Backward through a graph whose saved tensor was changed in place: autograd's in-place error, or exactly the
+    gradient of the unchanged values in ``leaf.grad``; never a silently wrong gradient."""
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        assert "modified by an inplace operation" in str(err)
+    else:
+        assert torch.equal(leaf.grad, expected), "backward silently used an in-place-modified saved tensor"
