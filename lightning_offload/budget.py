@@ -1,13 +1,14 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
-each keeps every saved tensor on the device, counts what forward saves block by block and times forward, unless
-device memory passes a watermark below the budget, from where on it offloads everything it can (so measuring stays
-safe where the model does not fit). Two, because the optimizer allocates its state in the first step. From that
-profile :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are
-checkpointed; the engine applies the plan. A plan that offloads nothing does
-not even install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects
-the model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next).
+each keeps every saved tensor on the device, counts what forward saves block by block and times forward's compute
+(waits for copies excluded), unless device memory passes a watermark below the budget: from there on it offloads
+everything saved later (so measuring stays safe where the model does not fit), and what it kept is known exactly.
+Two, because the optimizer allocates its state in the first step. From that profile
+:func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
+the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
+nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
+relaxed on a lighter step can pass a hard cap on the next).
 
 Torch only: no Lightning import.
 """
@@ -111,12 +112,20 @@ class BudgetPlanner:
         budget: bytes the step's peak may reach; ``None``: :func:`default_budget` of the device.
         memory: the device's allocator counters.
         model: its repeated blocks may be checkpointed (selectively) when offloading alone would cost more.
+        clock: times the blocks' compute in a measuring step (``mark()`` and ``compute_ms_between()`` of
+            :class:`~lightning_offload.transfer.StreamedTransfer`); ``None``: a block's cost is forward's over the
+            number of blocks.
         owns_peaks: reset the peak counter at every step (``False`` when a caller such as the Lightning callback
             resets it at its own step boundaries).
     """
 
     def __init__(
-        self, budget: int | None, memory: Any, model: nn.Module | None = None, owns_peaks: bool = True
+        self,
+        budget: int | None,
+        memory: Any,
+        model: nn.Module | None = None,
+        owns_peaks: bool = True,
+        clock: Any = None,
     ) -> None:
         self.memory = memory
         self.budget = budget if budget is not None else default_budget(memory.total())
@@ -135,6 +144,8 @@ class BudgetPlanner:
         self._stepping = False
         self._backward_peak = 0
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
+        self._clock = clock
+        self._block_times: list[Any] = []  # timing marks: before the first block, after each block
         self._handles: list[Any] = []
         self._base = 0
 
@@ -166,6 +177,7 @@ class BudgetPlanner:
         self._base = self.memory.allocated()
         self.watermark = self.budget - self._reserve
         self._marks = {}
+        self._block_times = []
         self._watch_blocks(position)
         return None
 
@@ -187,15 +199,16 @@ class BudgetPlanner:
             input_bytes = sum(m[2] for m in blocks) // len(blocks) if blocks else 0
             self.profile = StepProfile(
                 peak=peak,
-                # Once past the watermark, what was kept until then left the device at some point of the step: not
-                # knowing when the peak came, count none of it as kept (the plan then errs on the side of memory).
-                resident=0 if self.tripped else max(0, eligible - offloaded),
+                # Past the watermark, what was kept until then stayed and the rest left: copies in flight at the
+                # peak count as fixed, which errs on the side of memory.
+                resident=max(0, eligible - offloaded),
                 eligible=eligible,
                 forward_ms=forward_ms,
                 link_bytes_per_ms=link_bytes_per_ms,
                 blocks=len(blocks) if block_bytes > input_bytes else 0,
                 block_bytes=block_bytes,
                 block_input_bytes=input_bytes,
+                block_ms=self._block_ms(),
                 **extra,
             )
             if self._measure_left <= 0:
@@ -261,18 +274,29 @@ class BudgetPlanner:
             remove_checkpointing(self._model, self._checkpointed)
         self._checkpointed = []
 
+    def _block_ms(self) -> float:
+        """Compute time of one block in the measuring step's forward (0: not timed)."""
+        times = [t for t in self._block_times if t is not None]
+        if self._clock is None or len(times) < 2 or len(times) != len(self._block_times):
+            return 0.0
+        return self._clock.compute_ms_between(times[0], times[-1]) / (len(times) - 1)
+
     def _watch_blocks(self, position: Callable[[], int]) -> None:
-        marks = self._marks
+        marks, times, clock = self._marks, self._block_times, self._clock
 
         def before(module: nn.Module, args: Any) -> None:
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             nbytes = first.numel() * first.element_size() if first is not None else 0
+            if clock is not None and not marks:
+                times.append(clock.mark())
             marks.setdefault(id(module), (position(), 0, nbytes))
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             start, end, nbytes = marks.get(id(module), (0, 0, 0))
             if end == 0:
                 marks[id(module)] = (start, position(), nbytes)
+                if clock is not None:
+                    times.append(clock.mark())
 
         for _, block in self._blocks:
             self._handles.append(block.register_forward_pre_hook(before))
@@ -315,7 +339,7 @@ def plan_step(
         extra = {"offload_overhead": overhead, "tail": outbound.default_tail}
         planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.forward_ms(), transfer.link_rate, extra)
     else:
-        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.last_forward_ms, transfer.link_rate, {})
+        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.last_compute_ms, transfer.link_rate, {})
     plan = planner.begin_step(position)
     if plan is None:  # measuring: keep everything, unless memory passes the watermark
         outbound.tail = _KEEP_ALL

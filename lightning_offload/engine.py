@@ -177,7 +177,7 @@ class OffloadEngine:
         memory = self._memory if self._memory is not None else (DeviceMemory(device) if device.type == "cuda" else None)
         if self.options.plans and memory is not None and isinstance(self._transfer, StreamedTransfer):
             model = self._model_ref() if self._model_ref is not None else None
-            self.planner = BudgetPlanner(self.options.budget_bytes(), memory, model)
+            self.planner = BudgetPlanner(self.options.budget_bytes(), memory, model, clock=self._transfer)
 
     def replan(self) -> None:
         """Measure a step again before planning (call it when the input's shape changes)."""
@@ -222,8 +222,11 @@ class OffloadEngine:
             outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
         if self._watermark is not None and self.planner.memory.allocated() > self._watermark:  # type: ignore[union-attr]
+            # The measuring step nears the budget: what was saved so far stays (so the step's peak is known to hold
+            # exactly those bytes of activations), everything saved from now on leaves.
             self._watermark, self.planner.tripped = None, True  # type: ignore[union-attr]
-            outbound.tail = 0  # the measuring step nears the budget: everything saved so far may leave now
+            outbound.keep_pending(stats)
+            outbound.tail = 0
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)
         off = self.options.mode == "off"

@@ -79,11 +79,15 @@ class OutboundQueue:
 
     def end_forward(self, stats: OffloadStats) -> list[weakref.ref[StorageCopy]]:
         """The open forward ended: what is still pending stays on the device. Returns its offloaded copies."""
+        self.keep_pending(stats)
+        copies, self.forward_copies = self.forward_copies, []
+        return copies
+
+    def keep_pending(self, stats: OffloadStats) -> None:
+        """Everything pending stays on the device."""
         for copy in self.pending:
             self.keep_resident(copy, stats)
         self.pending.clear()
-        copies, self.forward_copies = self.forward_copies, []
-        return copies
 
     def send_decided(self, log: SaveLog, stats: OffloadStats) -> None:
         """Offload the pending copies that left the tail (or keep those beyond the limit), oldest first."""

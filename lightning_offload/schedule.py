@@ -115,11 +115,13 @@ class StepProfile:
         peak: peak allocated device memory of the step.
         resident: eligible saved bytes that stayed on the device in that step (not offloaded).
         eligible: eligible saved bytes of one step with no block checkpointed.
-        forward_ms: device time of forward.
+        forward_ms: compute time of forward (device time less waits for copies).
         link_bytes_per_ms: the link's bandwidth, one direction.
         blocks: checkpointable blocks (the model's repeated layers; 0 when none were found).
         block_bytes: eligible bytes one block saves, on average.
         block_input_bytes: the bytes a checkpointed block saves instead (its input).
+        block_ms: compute time of one block's forward, i.e. its recompute under checkpointing (0: not measured, use
+            ``forward_ms / blocks``).
         offload_overhead: device bytes offloading holds for itself (copies in flight and fetched ahead).
         tail: eligible bytes at the end of each forward that never leave (``resident_tail_bytes``).
     """
@@ -132,6 +134,7 @@ class StepProfile:
     blocks: int = 0
     block_bytes: int = 0
     block_input_bytes: int = 0
+    block_ms: float = 0.0
     offload_overhead: int = 0
     tail: int = 0
 
@@ -189,7 +192,7 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
     fixed = profile.peak - profile.resident
-    per_block_ms = profile.forward_ms / profile.blocks if profile.blocks else 0.0
+    per_block_ms = profile.block_ms or (profile.forward_ms / profile.blocks if profile.blocks else 0.0)
     saved_per_block = max(0, profile.block_bytes - profile.block_input_bytes)
     candidates = []
     for k in range(profile.blocks + 1):

@@ -3,11 +3,12 @@
 :class:`SyncTransfer` copies on the compute stream, when a tensor leaves and when backward needs it: simple, slow,
 the reference for debugging. :class:`StreamedTransfer` is the only code that touches streams and events: copies run
 on one copy stream per direction, overlapped with compute, ordered by device-side waits, never by a host
-synchronization; it also times forward for the link model.
+synchronization; it also times forward, for the link model and for the memory-budget planner.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,11 +59,39 @@ class SyncTransfer:
         pass
 
 
+@dataclass
+class TimedForward:
+    """One forward being timed: its begin and end on the compute stream, and the waits for copies in between.
+
+    A wait for a copy that is not done yet stalls compute; subtracting those stalls gives forward's own compute time,
+    which is what a plan's cost depends on (a measuring step that offloads everything is mostly such stalls).
+    """
+
+    begin: Event
+    waits: list[tuple[Event, Event]] = field(default_factory=list)
+    end: Event | None = None
+    saved: int = 0
+
+    def stalled_ms(self, first: int = 0, last: int | None = None) -> float:
+        return sum(begin.elapsed_time(end) for begin, end in self.waits[first:last])
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point of a timed forward (see :meth:`StreamedTransfer.mark`)."""
+
+    forward: TimedForward | None  # None: before the forward's first saved tensor (no wait for a copy yet)
+    event: Event
+    waits: int  # the forward's waits before this point
+
+
 class StreamedTransfer:
     """Copies on the copy streams of ``streams``, overlapped with compute.
 
     Attributes:
         link: the link model, fed with forward's measured pace.
+        last_forward_ms: device time of the latest timed forward.
+        last_compute_ms: the same less the time compute waited for copies in it.
     """
 
     overlapped = True
@@ -72,12 +101,13 @@ class StreamedTransfer:
         self.link = LinkModel()
         self._measure = measure_copies
         self.link_rate = streams.link_bytes_per_ms()
-        self.last_forward_ms = 0.0  # device time of the latest forward that was timed
+        self.last_forward_ms = 0.0
+        self.last_compute_ms = 0.0
         self._stall = TimingEvents(streams)
         self._d2h_timer = TimingEvents(streams)
         self._h2d_timer = TimingEvents(streams)
-        self._forward: tuple[Event, Event, int] | None = None  # begin, end, bytes saved: a forward being timed
-        self._forward_begin: Event | None = None
+        self._forward: TimedForward | None = None  # an ended forward whose timing was not read yet
+        self._open: TimedForward | None = None  # the forward being timed now
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -126,34 +156,62 @@ class StreamedTransfer:
 
     def wait(self, event: Event) -> None:
         """Order everything the compute stream runs from now on after ``event`` (a device-side wait)."""
-        self.streams.wait_event(self.streams.current(), event)
+        streams, consumer, timed = self.streams, self.streams.current(), self._open
+        if timed is None or event.query():
+            streams.wait_event(consumer, event)
+            return
+        begin = streams.record(consumer, timing=True)
+        streams.wait_event(consumer, event)
+        timed.waits.append((begin, streams.record(consumer, timing=True)))
 
     def forward_started(self) -> None:
         self._read_forward_timing()
         self.link.forward_started()
         if self._forward is None:  # otherwise an earlier forward's timing is still running: measure a later one
-            self._forward_begin = self.streams.record(self.streams.current(), timing=True)
+            self._open = TimedForward(self.streams.record(self.streams.current(), timing=True))
 
     def forward_ended(self, saved_bytes: int) -> None:
         """Mark forward's end; its timing is read (without waiting) at a later forward."""
-        begin, self._forward_begin = self._forward_begin, None
-        if begin is not None and saved_bytes:
-            self._forward = (begin, self.streams.record(self.streams.current(), timing=True), saved_bytes)
+        timed, self._open = self._open, None
+        if timed is not None and saved_bytes:
+            timed.end, timed.saved = self.streams.record(self.streams.current(), timing=True), saved_bytes
+            self._forward = timed
+
+    def mark(self) -> Mark | None:
+        """A point of a forward, for :meth:`compute_ms_between` (``None`` where the forward's waits are not timed)."""
+        timed = self._open
+        if timed is None and self._forward is not None:
+            return None  # an earlier forward's timing is still unread: this one is not timed
+        event = self.streams.record(self.streams.current(), timing=True)
+        return Mark(timed, event, len(timed.waits) if timed is not None else 0)
+
+    @staticmethod
+    def compute_ms_between(first: Mark, last: Mark) -> float:
+        """Compute time between two marks of one forward: device time less the waits for copies (a host sync)."""
+        last.event.synchronize()
+        elapsed = first.event.elapsed_time(last.event)
+        stalled = 0.0
+        if last.forward is not None:
+            stalled = last.forward.stalled_ms(first.waits if first.forward is last.forward else 0, last.waits)
+        return max(0.0, elapsed - stalled)
 
     def forward_ms(self) -> float:
-        """Device time of the latest timed forward, waiting for its end if needed (a host sync: use rarely)."""
+        """Compute time of the latest timed forward (waits for copies excluded), waiting for its end if needed (a
+        host sync: use rarely)."""
         if self._forward is not None:
-            self._forward[1].synchronize()
+            self._forward.end.synchronize()  # type: ignore[union-attr]
             self._read_forward_timing()
-        return self.last_forward_ms
+        return self.last_compute_ms
 
     def _read_forward_timing(self) -> None:
-        if self._forward is None or not self._forward[1].query():
+        timed = self._forward
+        if timed is None or timed.end is None or not timed.end.query():
             return
-        begin, end, saved = self._forward
         self._forward = None
-        self.last_forward_ms = begin.elapsed_time(end)
-        self.link.observe(saved, self.last_forward_ms, self.link_rate)
+        self.last_forward_ms = timed.begin.elapsed_time(timed.end)
+        self.last_compute_ms = max(0.0, self.last_forward_ms - timed.stalled_ms())
+        # The link model maps positions to device time as it passes, stalls included.
+        self.link.observe(timed.saved, self.last_forward_ms, self.link_rate)
 
     def collect(self, stats: OffloadStats, wait: bool) -> None:
         stats.stall_ms += self._stall.collect_ms(wait)
@@ -167,7 +225,7 @@ class StreamedTransfer:
         """Forget timings of a step that raised."""
         for timer in (self._stall, self._d2h_timer, self._h2d_timer):
             timer.discard()
-        self._forward = self._forward_begin = None
+        self._forward = self._open = None
 
 
 Transfer = SyncTransfer | StreamedTransfer

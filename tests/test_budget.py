@@ -20,32 +20,38 @@ from tests.models import assert_same_grads
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 WIDTH, BATCH, BLOCKS = 256, 64, 8
+BLOCK_MS = 2.0
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    """Takes ``BLOCK_MS`` of simulated compute."""
+
+    def __init__(self, sim: SimulatedStreams | None) -> None:
         super().__init__()
         self.up = nn.Linear(WIDTH, 2 * WIDTH)
         self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.sim = sim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sim is not None:
+            self.sim.advance(BLOCK_MS)
         return x + self.down(torch.tanh(self.up(x)))
 
 
 class Stack(nn.Module):
-    """Repeated blocks (the planner may checkpoint them); each block takes 1 ms of simulated compute."""
+    """Repeated blocks (the planner may checkpoint them) and 1 ms of simulated compute for the loss."""
 
     def __init__(self, sim: SimulatedStreams | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(Block(sim) for _ in range(BLOCKS))
         self.sim = sim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            if self.sim is not None:
-                self.sim.advance(1.0)
             x = block(x)
+        if self.sim is not None:
+            self.sim.advance(1.0)
         return x.square().mean()
 
 
@@ -200,6 +206,34 @@ def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -
     assert checkpointed_modules(model) == []
 
 
+def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -> None:
+    """A budget below the weights' share trips the watermark at the first saved tensor: the measuring steps offload
+    everything over a slow link and forward waits for those copies most of the time. The profile keeps forward's and
+    a block's compute time only, so copies do not look hidden behind a forward they slowed down, and the plan
+    checkpoints blocks (2 ms each) rather than offloading (each byte costs far more than compute can hide)."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=None, bytes_per_ms=float(16 * KiB))  # copies run when waited for, and take time
+    model = Stack(sim)
+    budget = int(act / 0.7)  # the plan keeps about half the activations on the device
+    memory = FakeMemory(base=int(0.6 * budget), transient=0)  # above the watermark (half the budget) from the start
+    engine = planned_engine(budget, memory, model, sim)
+    clock = []
+    for _ in range(2):
+        start = sim.clock_ms
+        steps = run_steps(engine, model, x, 1)
+        clock.append(sim.clock_ms - start)
+        assert steps[0]["offloaded"] == act  # the watermark tripped at once: everything left
+    run_steps(engine, model, x, 1)  # plans from the two measuring steps
+    profile, plan = engine.planner.profile, engine.planner.plan  # type: ignore[union-attr]
+    assert profile is not None and plan is not None
+    compute = BLOCKS * BLOCK_MS + 1.0
+    assert min(clock) > 3 * compute  # the measuring steps mostly waited for copies
+    assert profile.block_ms == pytest.approx(BLOCK_MS)
+    assert (BLOCKS - 1) * BLOCK_MS <= profile.forward_ms <= compute
+    assert plan.fits and plan.checkpoint_blocks > 0
+
+
 def test_later_steps_correct_the_model_only_towards_memory() -> None:
     """Later steps measure their peak again: a heavier step (here a larger loss transient) makes the plan offload
     more and brings the peak back under the budget; a lighter step never relaxes it (under a hard cap the next step
@@ -248,9 +282,9 @@ def test_replan_measures_again() -> None:
 
 
 def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
-    """The first step keeps everything until allocated memory passes the budget less its reserve; from there on
-    everything saved so far and after leaves: the first step is safe where the model does not fit, and free where
-    it does."""
+    """The first step keeps everything until allocated memory passes the budget less its reserve; what was saved
+    until then stays and everything saved later leaves: the first step is safe where the model does not fit, free
+    where it does, and knows how many bytes of activations its peak held."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
     for budget, offloads in ((int((GiB + act // 2) / 0.5), True), (3 * GiB, False)):
@@ -264,8 +298,12 @@ def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
         first = run_steps(engine, model, x, 1)[0]
         watermark = budget - int(budget * 0.5)
         if offloads:
-            assert first["offloaded"] == act
+            kept = seen[-1] - GiB  # what forward had saved when allocated memory first passed the watermark
             assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
+            assert 0 < kept < act and first["offloaded"] == act - kept
+            run_steps(engine, model, x, 1)  # the second step begins by learning from the first
+            profile = engine.planner.profile  # type: ignore[union-attr]
+            assert profile is not None and profile.resident == kept
         else:
             assert first["offloaded"] == 0
             assert max(seen) <= watermark
