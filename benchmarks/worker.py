@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -448,6 +449,11 @@ class Runner:
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
         if engine_rows:
             row["engine"] = {key: statistics.median(r[key] for r in engine_rows) for key in engine_rows[0]}
+        planner = getattr(engine, "planner", None)
+        if planner is not None and planner.plan is not None and planner.profile is not None:
+            # What the memory-budget planner measured and chose (after the last timed step).
+            row["plan"] = dataclasses.asdict(planner.plan)
+            row["profile"] = dataclasses.asdict(planner.profile)
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

@@ -334,15 +334,23 @@ def plan_step(
         step) and the watermark of allocated bytes beyond which a measuring step starts offloading.
     """
     assert isinstance(transfer, StreamedTransfer) and outbound is not None
+    configured_cap = outbound.configured_inflight_cap
     if planner.measuring:
-        overhead = (outbound.inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES) + outbound.prefetch_cap
-        extra = {"offload_overhead": overhead, "tail": outbound.default_tail}
+        extra = {
+            "backward_ms": transfer.backward_ms(),
+            "tail": outbound.default_tail,
+            "prefetch_bytes": outbound.prefetch_cap,
+            "inflight_cap": configured_cap or DEFAULT_MAX_INFLIGHT_BYTES,
+            "inflight_fixed": outbound.inflight_fixed,
+        }
         planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.forward_ms(), transfer.link_rate, extra)
     else:
         planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.last_compute_ms, transfer.link_rate, {})
     plan = planner.begin_step(position)
-    if plan is None:  # measuring: keep everything, unless memory passes the watermark
+    if plan is None:  # measuring: keep everything, unless memory passes the watermark (then copies are throttled)
         outbound.tail = _KEEP_ALL
+        outbound.inflight_cap = configured_cap or DEFAULT_MAX_INFLIGHT_BYTES
         return None, planner.watermark
     outbound.tail = outbound.default_tail
+    outbound.inflight_cap = plan.inflight_cap
     return plan.offload_bytes, None

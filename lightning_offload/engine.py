@@ -141,6 +141,9 @@ class OffloadEngine:
         if tensors is None:
             model = self._model_ref() if self._model_ref is not None else None
             tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+            if model is not None and self._inbound is not None:
+                # Backward allocates the trainable parameters' gradients while it frees activations.
+                self._inbound.grad_reserve = sum(p.numel() * p.element_size() for p in tensors if p.requires_grad)
         self._params.update(tensors)
 
     def reset(self) -> None:
@@ -253,13 +256,20 @@ class OffloadEngine:
         """End the open forward: the pending tail stays resident, and its offloaded copies queue for prefetch."""
         if not self._log.forward_open:
             return
-        if self.planner is not None and policy.backward_running():  # the first unpack: backward has started
-            torch.autograd.Variable._execution_engine.queue_callback(self.planner.backward_finished)
         assert self._outbound is not None and self._inbound is not None
         offloaded = self._outbound.end_forward(self._stats)
         self._counted = []
-        self._transfer.forward_ended(self._log.close_forward())
+        saved = self._log.close_forward()
+        self._transfer.forward_ended(saved)
+        if policy.backward_running():  # the first unpack: backward has started; time it, and note its peak
+            self._transfer.backward_started(saved)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self._inbound.add_forward(offloaded)
+
+    def _backward_finished(self) -> None:
+        self._transfer.backward_ended()
+        if self.planner is not None:
+            self.planner.backward_finished()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is tuple:
@@ -284,6 +294,11 @@ class OffloadEngine:
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:
             out = view.rebuild(copy.src)  # type: ignore[arg-type]
+            if view.first:
+                view.first = False
+                copy.views_left -= 1
+                if copy.views_left <= 0:
+                    inbound.freed_bytes += copy.nbytes  # autograd releases it once this node has run
         else:
             out = view.rebuild(inbound.bring_back(copy, self._stats))
             if view.first:

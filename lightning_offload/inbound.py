@@ -16,10 +16,20 @@ from lightning_offload.transfer import StreamedTransfer, Transfer
 class InboundQueue:
     """Offloaded copies of sealed forwards, needed-last first, each with the backward position where it starts back.
 
+    The bytes fetched ahead are bounded by ``cap``, or by what backward has freed of the activations that stayed on
+    the device, less ``grad_reserve``, if that is more: bytes that come back then take the place of bytes that left,
+    so the step's peak does not move, and a partial offload (whose copies must start well before backward reaches
+    them) is not held back by a fixed cap.
+
     Args:
         transfer: moves the bytes; prefetching runs only when it overlaps copies with compute.
         device: where copies come back to.
         cap: the most bytes fetched ahead and not yet used by backward (``prefetch_bytes``).
+
+    Attributes:
+        grad_reserve: freed bytes that do not count (the gradients backward allocates meanwhile); ``None``: only
+            ``cap`` bounds the prefetch.
+        freed_bytes: bytes of resident activations backward has used (and released) since the latest forward.
     """
 
     def __init__(self, transfer: Transfer, device: torch.device, cap: int) -> None:
@@ -30,6 +40,8 @@ class InboundQueue:
         self.starts: list[float] = []  # backward position at which each queued copy must start coming back
         self._ahead: deque[tuple[weakref.ref[StorageCopy], int]] = deque()  # fetched ahead, not yet used
         self.ahead_bytes = 0
+        self.grad_reserve: int | None = None
+        self.freed_bytes = 0
 
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
         """Queue a sealed forward's offloaded copies (save order) and plan when each starts back."""
@@ -37,6 +49,7 @@ class InboundQueue:
         if not isinstance(transfer, StreamedTransfer):
             return  # no overlap, no prefetch: each copy comes back when backward asks for it
         self.queue = copies + self.queue  # backward needs the latest forward first
+        self.freed_bytes = 0
         ends, sizes = [], []
         for ref in self.queue:
             copy = ref()
@@ -60,9 +73,12 @@ class InboundQueue:
         while ahead and (ahead[0][0]() is None or ahead[0][0]().fetched is None):  # type: ignore[union-attr]
             self.ahead_bytes -= ahead.popleft()[1]
         queue, starts = self.queue, self.starts
+        cap = self.cap
+        if self.grad_reserve is not None:
+            cap = max(cap, self.freed_bytes - self.grad_reserve)
         while queue and starts[-1] >= backward_pos:
             copy = queue[-1]()
-            if copy is not None and self.ahead_bytes and self.ahead_bytes + copy.nbytes > self.cap:
+            if copy is not None and self.ahead_bytes and self.ahead_bytes + copy.nbytes > cap:
                 return  # memory bound: the rest follows as backward consumes what came back
             queue.pop()
             starts.pop()
@@ -86,4 +102,4 @@ class InboundQueue:
     def clear(self) -> None:
         self.queue, self.starts = [], []
         self._ahead.clear()
-        self.ahead_bytes = 0
+        self.ahead_bytes = self.freed_bytes = 0

@@ -55,7 +55,8 @@ class OutboundQueue:
         cap = options.max_inflight_bytes
         if cap is None and options.max_offload_bytes is None:
             cap = DEFAULT_MAX_INFLIGHT_BYTES
-        self.inflight_cap = cap
+        self.inflight_cap = self.configured_inflight_cap = cap  # a memory-budget plan may change the first per step
+        self.inflight_fixed = options.max_inflight_bytes is not None  # the user's: plans keep it
         self.limit: int | None = None  # the most bytes of the open forward that may leave
         self.planned_limit: int | None = None  # the limit the memory-budget plan set for this step
         self._options = options

@@ -6,8 +6,9 @@ backward walks them down again. Two questions are answered here:
 * When is a device -> host copy done? (:class:`LinkModel`.) Forward saves ``S`` bytes in ``T`` ms (measured on an
   earlier forward) and the link moves ``B`` bytes per ms, so a copy of ``n`` bytes takes as long as forward needs to
   save ``n * (S / T) / B`` more bytes. Copies queue on one stream, so each starts when the one before it ends.
-* When must a host -> device copy start? (:func:`plan_prefetch`.) Backward runs about twice as long per saved byte
-  as forward, and the way back serves copies one after another in the order backward needs them.
+* When must a host -> device copy start? (:func:`plan_prefetch`.) Backward's pace per saved byte is measured like
+  forward's (about half of it before any backward was timed), and the way back serves copies one after another in the
+  order backward needs them.
 
 The host runs far ahead of the device, so polling a copy's event from the host almost never sees it done before
 forward ends; the engine instead lets go of a source at the position where the model says its copy is done, after a
@@ -35,10 +36,12 @@ class LinkModel:
     Attributes:
         ratio: forward's saving rate over the link's rate (``None`` until a forward was measured). Above 1, forward
             saves faster than the link can move bytes out.
+        backward_ratio: the same for backward walking the saved bytes down (``None`` until a backward was measured).
     """
 
     def __init__(self) -> None:
         self.ratio: float | None = None
+        self.backward_ratio: float | None = None
         self._link_free_at = 0.0  # position at which the copy stream will be idle, per the model
 
     def observe(self, saved_bytes: int, forward_ms: float, link_bytes_per_ms: float) -> None:
@@ -48,6 +51,13 @@ class LinkModel:
         ratio = (saved_bytes / forward_ms) / link_bytes_per_ms
         # Smooth across steps: one slow forward (a recompile, a logging step) should not swing the schedule.
         self.ratio = ratio if self.ratio is None else 0.5 * (self.ratio + ratio)
+
+    def observe_backward(self, saved_bytes: int, backward_ms: float, link_bytes_per_ms: float) -> None:
+        """Fold in one measured backward over ``saved_bytes`` eligible bytes (compute time, waits excluded)."""
+        if saved_bytes <= 0 or backward_ms <= 0 or link_bytes_per_ms <= 0:
+            return
+        ratio = (saved_bytes / backward_ms) / link_bytes_per_ms
+        self.backward_ratio = ratio if self.backward_ratio is None else 0.5 * (self.backward_ratio + ratio)
 
     def forward_started(self) -> None:
         """A new forward: the link is idle as far as the model knows."""
@@ -64,9 +74,12 @@ class LinkModel:
     def backward_lead(self) -> float:
         """Backward positions a host -> device copy needs per byte to arrive before backward reaches it.
 
-        Backward runs about twice as long per saved byte as forward (more with checkpoint recompute, which only
-        makes this conservative).
+        From a measured backward when there is one. Before that, backward is taken to run about twice as long per
+        saved byte as forward: true of full fine-tuning, not of a frozen base (LoRA), whose backward is barely slower
+        than its forward, which is why it is measured.
         """
+        if self.backward_ratio is not None:
+            return self.backward_ratio * SLACK
         ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
         return ratio / 2 * SLACK
 
@@ -102,8 +115,8 @@ def plan_prefetch(
 
 # ---------------------------------------------------------------------------------------------- the memory budget
 
-# The share of forward (and of backward, twice as long) behind which copies are assumed to hide: the rest of a
-# transfer shows as step time. Below 1 because copies share memory bandwidth and start only once tensors exist.
+# The share of forward (and of backward) behind which copies are assumed to hide: the rest of a transfer shows as step
+# time. Below 1 because copies share memory bandwidth and start only once tensors exist.
 HIDDEN_SHARE = 0.8
 
 
@@ -122,8 +135,11 @@ class StepProfile:
         block_input_bytes: the bytes a checkpointed block saves instead (its input).
         block_ms: compute time of one block's forward, i.e. its recompute under checkpointing (0: not measured, use
             ``forward_ms / blocks``).
-        offload_overhead: device bytes offloading holds for itself (copies in flight and fetched ahead).
+        backward_ms: compute time of backward (0: not measured, taken as twice forward's).
         tail: eligible bytes at the end of each forward that never leave (``resident_tail_bytes``).
+        prefetch_bytes: the most bytes fetched back ahead of need while backward has freed nothing yet.
+        inflight_cap: bytes whose copies out may lag behind forward when forward must wait for its copies.
+        inflight_fixed: the user fixed ``inflight_cap`` (``max_inflight_bytes``): every plan uses it.
     """
 
     peak: int
@@ -135,8 +151,11 @@ class StepProfile:
     block_bytes: int = 0
     block_input_bytes: int = 0
     block_ms: float = 0.0
-    offload_overhead: int = 0
+    backward_ms: float = 0.0
     tail: int = 0
+    prefetch_bytes: int = 0
+    inflight_cap: int = 512 << 20
+    inflight_fixed: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +169,8 @@ class Plan:
         peak: the predicted peak allocated bytes.
         extra_ms: the predicted step time over keeping everything (recompute plus copies that do not hide).
         fits: whether ``peak`` is within the budget.
+        inflight_cap: the most bytes whose copies out may lag behind forward (``None``: no bound, the copies finish
+            behind forward's compute).
     """
 
     offload_bytes: int
@@ -157,6 +178,7 @@ class Plan:
     peak: int
     extra_ms: float
     fits: bool
+    inflight_cap: int | None = None
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)
@@ -173,22 +195,87 @@ class Plan:
         )
 
 
-def copy_cost_ms(nbytes: int, forward_ms: float, link_bytes_per_ms: float) -> float:
-    """Step time that offloading ``nbytes`` adds: each way, the part of the transfer that compute cannot hide."""
-    if nbytes <= 0:
-        return 0.0
-    transfer = nbytes / link_bytes_per_ms
-    return max(0.0, transfer - HIDDEN_SHARE * forward_ms) + max(0.0, transfer - HIDDEN_SHARE * 2 * forward_ms)
+@dataclass(frozen=True)
+class OffloadChoice:
+    """Offloading ``nbytes`` of a forward: how much lower the peak gets, what it costs, the in-flight bound used."""
+
+    nbytes: int
+    relief: int
+    cost_ms: float
+    inflight_cap: int | None
+
+
+class OffloadModel:
+    """What offloading the first bytes of each forward does to the step's peak and time (one profile, ``eligible``
+    bytes saved per forward, e.g. after checkpointing some blocks).
+
+    The peak is at the end of forward (where the loss's transient comes on top of every kept activation) or early in
+    backward. Two ways to offload:
+
+    * *Unbounded*: copies out lag behind forward as far as they need, so forward never waits; what the link has not
+      moved by the end of forward (``HIDDEN_SHARE`` of forward's time) is still on the device at the peak.
+    * *Throttled* at ``inflight_cap``: forward waits whenever more than the cap lags behind, so only the cap is left
+      at the peak, at the price of forward waiting for the link while it saves the offloaded bytes.
+
+    Either way, backward must bring the bytes back: what its compute cannot hide shows as time, and copies that must
+    start before backward has freed anything are fetched ahead at the peak (up to ``prefetch_bytes``).
+    """
+
+    def __init__(self, profile: StepProfile, eligible: int) -> None:
+        self.p = profile
+        self.eligible = eligible
+        self.link = max(profile.link_bytes_per_ms, 1e-9)
+        self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
+        self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
+
+    def _fetched_at_peak(self, nbytes: int) -> int:
+        """Bytes fetched back ahead of need before backward freed any: when bringing ``nbytes`` back takes longer
+        than backward needs to reach them (``SLACK`` earlier), prefetching starts with backward."""
+        if nbytes <= 0 or self.eligible <= 0:
+            return 0
+        reach_ms = self.backward_ms * (self.eligible - nbytes) / self.eligible
+        return min(nbytes, self.p.prefetch_bytes) if nbytes / self.link * SLACK >= reach_ms else 0
+
+    def _way_back_ms(self, nbytes: int) -> float:
+        return max(0.0, nbytes / self.link - HIDDEN_SHARE * self.backward_ms)
+
+    def unbounded(self, nbytes: int) -> OffloadChoice:
+        relief = min(nbytes, int(self.hidden_out)) - self._fetched_at_peak(nbytes)
+        return OffloadChoice(nbytes, relief, self._way_back_ms(nbytes), None)
+
+    def throttled(self, nbytes: int, cap: int) -> OffloadChoice:
+        relief = nbytes - min(nbytes, cap) - self._fetched_at_peak(nbytes)
+        # Forward saves the offloaded bytes in its first nbytes/eligible share; the link must keep within the cap.
+        saving_ms = self.p.forward_ms * nbytes / max(1, self.eligible)
+        waiting_ms = max(0.0, (nbytes - cap) / self.link - saving_ms)
+        return OffloadChoice(nbytes, relief, waiting_ms + self._way_back_ms(nbytes), cap)
+
+    def cheapest(self, excess: int, movable: int) -> OffloadChoice | None:
+        """The cheapest way to lower the peak by ``excess`` bytes offloading at most ``movable``; ``None``: none
+        does (then :meth:`most_frugal`)."""
+        choices = []
+        cap = self.p.inflight_cap
+        # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
+        for nbytes in (excess, excess + self.p.prefetch_bytes):
+            nbytes = min(movable, nbytes)
+            if not self.p.inflight_fixed:
+                choices.append(self.unbounded(nbytes))
+            choices.append(self.throttled(min(movable, nbytes + cap), cap))
+        fitting = [c for c in choices if c.relief >= excess]
+        return min(fitting, key=lambda c: (c.cost_ms, c.nbytes)) if fitting else None
+
+    def most_frugal(self, movable: int) -> OffloadChoice:
+        return self.throttled(movable, self.p.inflight_cap)
 
 
 def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     """The cheapest plan whose predicted peak stays within ``budget``; the most frugal one if none does.
 
     The peak of the measured step, less the activations it kept, is what the peak holds besides activations (weights,
-    gradients, optimizer state, the loss's transient). Each plan keeps ``eligible(k) - offloaded`` bytes of
-    activations on top of that, where checkpointing ``k`` blocks shrinks what is saved to their inputs (and backward
-    rebuilds one block's activations at a time). For every
-    ``k`` the least offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
+    gradients, optimizer state, the loss's transient). Each plan keeps ``eligible(k) - relief`` bytes of activations
+    on top of that, where checkpointing ``k`` blocks shrinks what is saved to their inputs (and backward rebuilds one
+    block's activations at a time), and offloading lowers the peak by its relief (:class:`OffloadModel`). For every
+    ``k`` the cheapest offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
     fixed = profile.peak - profile.resident
@@ -197,18 +284,20 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     candidates = []
     for k in range(profile.blocks + 1):
         eligible = max(0, profile.eligible - k * saved_per_block)
-        room = budget - fixed  # activation bytes that may stay
+        # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
+        kept_peak = fixed + eligible + (profile.block_bytes if k else 0)
+        excess = kept_peak - budget
+        if excess <= 0:
+            candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))
+            continue
+        model = OffloadModel(profile, eligible)
         movable = max(0, eligible - profile.tail)
-        need = min(movable, max(0, eligible - room))
-        peak = fixed + eligible - need + (min(need, profile.offload_overhead) if need else 0)
-        if k:  # backward recomputes one checkpointed block at a time: its activations exist once more, briefly
-            peak += profile.block_bytes
-        if need and peak > budget:  # the overhead itself: offload that much more, if there is more to offload
-            extra = min(movable - need, peak - budget)
-            need += extra
-            peak -= extra
-        cost = k * per_block_ms + copy_cost_ms(need, profile.forward_ms, profile.link_bytes_per_ms)
-        candidates.append(Plan(need, k, peak, cost, peak <= budget))
+        choice = model.cheapest(excess, movable)
+        if choice is None:
+            choice = model.most_frugal(movable)
+        peak = kept_peak - max(0, choice.relief)
+        cost = k * per_block_ms + choice.cost_ms
+        candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap))
     fitting = [p for p in candidates if p.fits]
     if fitting:
         return min(fitting, key=lambda p: (p.extra_ms, p.peak))

@@ -49,6 +49,12 @@ class SyncTransfer:
     def forward_ended(self, saved_bytes: int) -> None:
         pass
 
+    def backward_started(self, saved_bytes: int) -> None:
+        pass
+
+    def backward_ended(self) -> None:
+        pass
+
     def collect(self, stats: OffloadStats, wait: bool) -> None:
         pass
 
@@ -92,6 +98,7 @@ class StreamedTransfer:
         link: the link model, fed with forward's measured pace.
         last_forward_ms: device time of the latest timed forward.
         last_compute_ms: the same less the time compute waited for copies in it.
+        last_backward_ms: compute time of the latest timed backward (waits for copies excluded; 0: none timed).
     """
 
     overlapped = True
@@ -108,6 +115,8 @@ class StreamedTransfer:
         self._h2d_timer = TimingEvents(streams)
         self._forward: TimedForward | None = None  # an ended forward whose timing was not read yet
         self._open: TimedForward | None = None  # the forward being timed now
+        self.last_backward_ms = 0.0
+        self._backward: TimedForward | None = None  # a backward being timed, or ended and not read yet
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -151,8 +160,12 @@ class StreamedTransfer:
             return
         with trace_range("offload::stall"):
             end = self._stall.start(consumer)
+            timed = self._backward if self._backward is not None and self._backward.end is None else None
+            begin = streams.record(consumer, timing=True) if timed is not None else None
             streams.wait_event(consumer, done)
             end(consumer)
+            if timed is not None and begin is not None:
+                timed.waits.append((begin, streams.record(consumer, timing=True)))
 
     def wait(self, event: Event) -> None:
         """Order everything the compute stream runs from now on after ``event`` (a device-side wait)."""
@@ -176,6 +189,33 @@ class StreamedTransfer:
         if timed is not None and saved_bytes:
             timed.end, timed.saved = self.streams.record(self.streams.current(), timing=True), saved_bytes
             self._forward = timed
+
+    def backward_started(self, saved_bytes: int) -> None:
+        """Backward of a forward that saved ``saved_bytes`` begins: time it (unless one is being timed)."""
+        self._read_backward_timing()
+        if self._backward is None and saved_bytes:
+            self._backward = TimedForward(self.streams.record(self.streams.current(), timing=True), saved=saved_bytes)
+
+    def backward_ended(self) -> None:
+        """Backward is done (autograd's final callback); its timing is read (without waiting) later."""
+        timed = self._backward
+        if timed is not None and timed.end is None:
+            timed.end = self.streams.record(self.streams.current(), timing=True)
+
+    def _read_backward_timing(self) -> None:
+        timed = self._backward
+        if timed is None or timed.end is None or not timed.end.query():
+            return
+        self._backward = None
+        self.last_backward_ms = max(0.0, timed.begin.elapsed_time(timed.end) - timed.stalled_ms())
+        self.link.observe_backward(timed.saved, self.last_backward_ms, self.link_rate)
+
+    def backward_ms(self) -> float:
+        """Compute time of the latest timed backward, waiting for its end if it has one (a host sync: use rarely)."""
+        if self._backward is not None and self._backward.end is not None:
+            self._backward.end.synchronize()
+            self._read_backward_timing()
+        return self.last_backward_ms
 
     def mark(self) -> Mark | None:
         """A point of a forward, for :meth:`compute_ms_between` (``None`` where the forward's waits are not timed)."""
@@ -225,7 +265,7 @@ class StreamedTransfer:
         """Forget timings of a step that raised."""
         for timer in (self._stall, self._d2h_timer, self._h2d_timer):
             timer.discard()
-        self._forward = self._open = None
+        self._forward = self._open = self._backward = None
 
 
 Transfer = SyncTransfer | StreamedTransfer

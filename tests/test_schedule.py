@@ -79,22 +79,25 @@ def test_deadline_queues_copies_behind_each_other() -> None:
 
 # ---------------------------------------------------------------------------------------------- the memory budget
 
-from lightning_offload.schedule import HIDDEN_SHARE, StepProfile, copy_cost_ms, plan_for_budget  # noqa: E402
+from lightning_offload.schedule import HIDDEN_SHARE, OffloadModel, StepProfile, plan_for_budget  # noqa: E402
 
 
 def profile(**changes: float) -> StepProfile:
-    """A measured step that kept its 10 GiB of activations: 30 GiB peak, of which 20 GiB are not activations."""
+    """A measured step that kept its 10 GiB of activations: 30 GiB peak, of which 20 GiB are not activations.
+    Forward takes 100 ms, backward 200 ms; the link moves 50 MiB/ms (~52 GB/s), so forward hides ~3.9 GiB."""
     values: dict = dict(
         peak=30 * GiB,
         resident=10 * GiB,
         eligible=10 * GiB,
         forward_ms=100.0,
-        link_bytes_per_ms=50 * MiB,  # ~52 GB/s
+        backward_ms=200.0,
+        link_bytes_per_ms=50 * MiB,
         blocks=10,
         block_bytes=GiB,
         block_input_bytes=64 * MiB,
-        offload_overhead=512 * MiB,
         tail=256 * MiB,
+        prefetch_bytes=512 * MiB,
+        inflight_cap=512 * MiB,
     )
     values.update(changes)
     return StepProfile(**values)
@@ -107,32 +110,34 @@ def test_a_model_that_fits_keeps_everything() -> None:
 
 
 def test_offloads_just_what_is_needed_where_it_hides() -> None:
-    """3 GiB must leave: forward hides 0.8 x 100 ms x 50 MiB/ms = 4 GiB each way, so offloading costs nothing."""
+    """3 GiB must leave: the link moves them while forward computes (no bound on the copies in flight), and brings
+    them back while backward computes, late enough that nothing is fetched at the peak: offloading costs nothing."""
     plan = plan_for_budget(profile(), budget=27 * GiB)
     assert plan.checkpoint_blocks == 0
-    assert plan.offload_bytes == 3 * GiB + 512 * MiB  # the copies' own overhead must leave too
+    assert plan.offload_bytes == 3 * GiB and plan.inflight_cap is None
     assert plan.peak <= 27 * GiB and plan.fits
     assert plan.extra_ms == 0.0
 
 
 def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
-    """8 GiB must leave; offloading it costs far more than recomputing a few blocks (10 ms each)."""
+    """8 GiB must leave: forward hides only ~3.9 GiB, so offloading it all means forward waits for the link; the
+    plan checkpoints a few blocks (10 ms each) and offloads what hides."""
     budget = 22 * GiB
     plan = plan_for_budget(profile(), budget)
     assert plan.fits and plan.peak <= budget
-    assert 0 < plan.checkpoint_blocks < 10
-    assert copy_cost_ms(8 * GiB, 100.0, 50 * MiB) > plan.extra_ms
-    fewer = plan_for_budget(profile(blocks=10), budget)
-    assert fewer == plan  # deterministic
-    # One block fewer would need more offloading than hides: the plan is the cheapest, not merely a fitting one.
-    k = plan.checkpoint_blocks
-    assert plan.extra_ms <= k * 10.0 + copy_cost_ms(plan.offload_bytes, 100.0, 50 * MiB) + 1e-9
+    assert 0 < plan.checkpoint_blocks < 10 and plan.offload_bytes > 0
+    only_offload = plan_for_budget(profile(blocks=0), budget)
+    assert only_offload.fits and only_offload.extra_ms > plan.extra_ms
+    assert plan_for_budget(profile(), budget) == plan  # deterministic
+    # One block fewer does not hide: the plan is the cheapest, not merely a fitting one.
+    assert plan.extra_ms < (plan.checkpoint_blocks - 1) * 10.0 + only_offload.extra_ms
 
 
-def test_no_blocks_means_offload_only() -> None:
+def test_no_blocks_means_offload_only_with_forward_waiting_for_the_link() -> None:
     plan = plan_for_budget(profile(blocks=0), budget=22 * GiB)
     assert plan.checkpoint_blocks == 0 and plan.fits
-    assert plan.offload_bytes >= 8 * GiB
+    assert plan.offload_bytes >= 8 * GiB and plan.inflight_cap == 512 * MiB
+    assert plan.extra_ms > 0
 
 
 def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting() -> None:
@@ -145,9 +150,22 @@ def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting
     assert "does NOT fit" in plan.describe(19 * GiB)
 
 
-def test_copy_cost_counts_only_what_compute_cannot_hide() -> None:
-    link = 50 * MiB
-    assert copy_cost_ms(0, 100.0, link) == 0.0
-    hidden = int(HIDDEN_SHARE * 100.0 * link)
-    assert copy_cost_ms(hidden, 100.0, link) == pytest.approx(0.0)
-    assert copy_cost_ms(3 * hidden, 100.0, link) == pytest.approx(3 * 80.0 - 80.0 + 3 * 80.0 - 160.0)
+def test_a_user_fixed_inflight_bound_is_kept_by_every_plan() -> None:
+    plan = plan_for_budget(profile(inflight_fixed=True), budget=27 * GiB)
+    assert plan.fits and plan.inflight_cap == 512 * MiB
+
+
+def test_offload_model_relief_and_cost() -> None:
+    """Unbounded copies: the peak drops by what the link moved during forward, at no cost while backward hides the
+    way back. Throttled: the peak drops by all but the cap, and forward waits for the link beyond its own pace."""
+    model = OffloadModel(profile(), eligible=10 * GiB)
+    hidden = int(HIDDEN_SHARE * 100.0 * 50 * MiB)
+    small = model.unbounded(2 * GiB)
+    assert (small.relief, small.cost_ms, small.inflight_cap) == (2 * GiB, 0.0, None)
+    assert model.unbounded(6 * GiB).relief <= hidden  # the rest is still on its way out at the peak
+    throttled = model.throttled(6 * GiB, 512 * MiB)
+    assert throttled.relief == 6 * GiB - 512 * MiB - 512 * MiB  # the cap in flight, and a prefetch at the peak
+    # 5.5 GiB over the link take 112.6 ms; forward saves the 6 GiB in 60 ms of its 100: it waits 52.6 ms.
+    assert throttled.cost_ms == pytest.approx((6 * GiB - 512 * MiB) / (50 * MiB) - 60.0)
+    # Bringing 9 GiB back takes 184 ms, more than backward (200 ms) hides at 80%: 24 ms show.
+    assert model.unbounded(9 * GiB).cost_ms == pytest.approx(9 * 1024 / 50 - 160.0)

@@ -118,6 +118,36 @@ def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
     assert sim.max_queued_bytes["h2d"] <= size
 
 
+def test_prefetch_reaches_past_the_cap_into_what_backward_freed() -> None:
+    """A partial offload keeps the latest activations on the device; once backward has used (and freed) more of them
+    than the gradients it allocates take, copies come back ahead of need beyond ``prefetch_bytes``, never beyond what
+    was freed: the peak does not move, and the copies needed last are not held back by a fixed cap."""
+    size = 1024 * 64 * 4  # one saved activation
+    model = Chain(n=8, width=64)
+    x = torch.randn(1024, 64)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ahead = {}
+    for with_model in (False, True):
+        sim = SimulatedStreams(lag=None)  # copies run when waited for: fetched-ahead bytes queue up
+        options = OffloadOptions.create(
+            "test", mode="streamed", compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0,
+            max_offload_bytes=4 * size, prefetch_bytes=size,
+        )  # fmt: skip
+        engine = OffloadEngine(options, model=model if with_model else None, streams=sim)
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with engine:
+                loss = model(x)
+            sim.synchronize()  # the way out is done: every offloaded copy must come back over the link
+            loss.backward()
+        stats = engine.stats
+        resident = stats.eligible_bytes - stats.offloaded_bytes
+        assert stats.offloaded_bytes == 4 * size and resident > 2 * size + grad_bytes
+        ahead[with_model] = sim.max_queued_bytes["h2d"]
+        assert ahead[with_model] <= max(size, resident - grad_bytes)
+    assert ahead[False] <= size < ahead[True]
+
+
 def test_retire_lets_go_of_finished_copies_at_the_block_end() -> None:
     """Copies the device has finished are released when the block ends, not at the next step."""
     sim = SimulatedStreams(lag=0)
