@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
-from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
 from lightning_offload.schedule import Plan, StepProfile, plan_for_budget
 from lightning_offload.stats import OffloadStats
@@ -318,6 +318,18 @@ def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
         return []
     names = {id(m): n for n, m in model.named_modules()}
     return [(names[id(b)], b) for b in blocks if id(b) in names]
+
+
+def planner_for(
+    options: OffloadOptions, device: torch.device, transfer: Any, model: nn.Module | None, memory: Any = None
+) -> BudgetPlanner | None:
+    """The planner an engine with these options needs, or ``None`` (no budget, a manual override, no streams, or no
+    allocator counters: ``memory`` or CUDA's)."""
+    if memory is None and device.type == "cuda":
+        memory = DeviceMemory(device)
+    if not options.plans or memory is None or not isinstance(transfer, StreamedTransfer):
+        return None
+    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer)
 
 
 def plan_step(

@@ -30,7 +30,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, DeviceMemory, plan_step, use_expandable_segments
+from lightning_offload.budget import BudgetPlanner, plan_step, planner_for, use_expandable_segments
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
@@ -142,8 +142,7 @@ class OffloadEngine:
             model = self._model_ref() if self._model_ref is not None else None
             tensors = [] if model is None else [*model.parameters(), *model.buffers()]
             if model is not None and self._inbound is not None:
-                # Backward allocates the trainable parameters' gradients while it frees activations.
-                self._inbound.grad_reserve = sum(p.numel() * p.element_size() for p in tensors if p.requires_grad)
+                self._inbound.reserve_for_gradients(tensors)
         self._params.update(tensors)
 
     def reset(self) -> None:
@@ -177,10 +176,8 @@ class OffloadEngine:
             self._transfer = StreamedTransfer(streams, self.options.measure_copies)
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
-        memory = self._memory if self._memory is not None else (DeviceMemory(device) if device.type == "cuda" else None)
-        if self.options.plans and memory is not None and isinstance(self._transfer, StreamedTransfer):
-            model = self._model_ref() if self._model_ref is not None else None
-            self.planner = BudgetPlanner(self.options.budget_bytes(), memory, model, clock=self._transfer)
+        model = self._model_ref() if self._model_ref is not None else None
+        self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
 
     def replan(self) -> None:
         """Measure a step again before planning (call it when the input's shape changes)."""
@@ -294,11 +291,7 @@ class OffloadEngine:
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:
             out = view.rebuild(copy.src)  # type: ignore[arg-type]
-            if view.first:
-                view.first = False
-                copy.views_left -= 1
-                if copy.views_left <= 0:
-                    inbound.freed_bytes += copy.nbytes  # autograd releases it once this node has run
+            inbound.used_resident(view)
         else:
             out = view.rebuild(inbound.bring_back(copy, self._stats))
             if view.first:

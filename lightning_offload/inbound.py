@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from lightning_offload.copies import State, StorageCopy
+from lightning_offload.copies import SavedView, State, StorageCopy
 from lightning_offload.schedule import plan_prefetch
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer, Transfer
@@ -66,6 +66,20 @@ class InboundQueue:
         if span is not copy.src:
             self._transfer.await_arrival(copy)
         return span
+
+    def reserve_for_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """Backward allocates the trainable ``parameters``' gradients while it frees activations: that much of
+        what it frees is not room for copies fetched ahead."""
+        self.grad_reserve = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+
+    def used_resident(self, view: SavedView) -> None:
+        """Backward unpacked ``view`` of a copy that stayed on the device; once all its views are used, autograd
+        releases the bytes (when the node that unpacked them has run)."""
+        if view.first:
+            view.first = False
+            view.copy.views_left -= 1
+            if view.copy.views_left <= 0:
+                self.freed_bytes += view.copy.nbytes
 
     def prefetch(self, backward_pos: int, stats: OffloadStats) -> None:
         """Start the copies whose planned start backward has reached, latest-saved first, within ``cap`` ahead."""
