@@ -3,12 +3,12 @@
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
 each keeps every saved tensor on the device, counts what forward saves block by block and times forward's compute
 (waits for copies excluded), unless device memory passes a watermark below the budget: from there on it offloads
-everything saved later (so measuring stays safe where the model does not fit), and what it kept is known exactly.
-Two, because the optimizer allocates its state in the first step. From that profile
-:func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
-the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
-nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
-relaxed on a lighter step can pass a hard cap on the next).
+everything it can (so measuring stays safe where the model does not fit). Two, because the optimizer allocates its
+state in the first step. From that profile :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes
+leave and how many blocks are checkpointed; the engine applies the plan. A plan that offloads nothing does not even
+install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects the model
+and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next); a step
+whose compute ran faster than measured corrects the timing.
 
 Torch only: no Lightning import.
 """
@@ -181,8 +181,16 @@ class BudgetPlanner:
         self._watch_blocks(position)
         return None
 
-    def end_step(self, eligible: int, offloaded: int, forward_ms: float, link_bytes_per_ms: float, extra: dict) -> None:
-        """The step that :meth:`begin_step` started is over (backward included): learn from its peak."""
+    def end_step(
+        self,
+        eligible: int,
+        offloaded: int,
+        forward_ms: float,
+        link_bytes_per_ms: float,
+        extra: dict,
+        backward_ms: float = 0.0,
+    ) -> None:
+        """The step that :meth:`begin_step` started is over (backward included): learn from its peak and timing."""
         if not self._stepping:
             return
         self._stepping = False
@@ -199,16 +207,18 @@ class BudgetPlanner:
             input_bytes = sum(m[2] for m in blocks) // len(blocks) if blocks else 0
             self.profile = StepProfile(
                 peak=peak,
-                # Past the watermark, what was kept until then stayed and the rest left: copies in flight at the
-                # peak count as fixed, which errs on the side of memory.
-                resident=max(0, eligible - offloaded),
+                # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
+                # cap lagged behind: count no activation as kept (what was still in flight at the peak then counts
+                # as fixed, which errs on the side of memory by at most that cap).
+                resident=0 if self.tripped else max(0, eligible - offloaded),
                 eligible=eligible,
                 forward_ms=forward_ms,
                 link_bytes_per_ms=link_bytes_per_ms,
                 blocks=len(blocks) if block_bytes > input_bytes else 0,
                 block_bytes=block_bytes,
                 block_input_bytes=input_bytes,
-                block_ms=self._block_ms(),
+                block_share=min(1.0, self._blocks_ms() / forward_ms) if forward_ms > 0 else 0.0,
+                backward_ms=backward_ms,
                 **extra,
             )
             if self._measure_left <= 0:
@@ -227,9 +237,14 @@ class BudgetPlanner:
                 self.profile, changed = p, True
             else:
                 changed = False
+            # Compute time only falls: a measuring step can be slowed by what only it does (pinning host memory
+            # for its copies, starting after a host synchronization), so a later, faster step is the truer pace.
             if 0 < forward_ms < 0.9 * p.forward_ms:
-                # A measuring step that offloaded waited for its copies: a later, lighter forward is the truer pace.
-                self.profile, changed = dataclasses.replace(p, forward_ms=forward_ms), True
+                self.profile = p = dataclasses.replace(p, forward_ms=forward_ms)
+                changed = True
+            if 0 < backward_ms < 0.9 * p.backward_ms and not self.plan.checkpoint_blocks:  # recompute is not pace
+                self.profile = p = dataclasses.replace(p, backward_ms=backward_ms)
+                changed = True
             if changed:
                 self._choose()
 
@@ -274,12 +289,12 @@ class BudgetPlanner:
             remove_checkpointing(self._model, self._checkpointed)
         self._checkpointed = []
 
-    def _block_ms(self) -> float:
-        """Compute time of one block in the measuring step's forward (0: not timed)."""
+    def _blocks_ms(self) -> float:
+        """Compute time of the blocks in the measuring step's forward (0: not timed)."""
         times = [t for t in self._block_times if t is not None]
         if self._clock is None or len(times) < 2 or len(times) != len(self._block_times):
             return 0.0
-        return self._clock.compute_ms_between(times[0], times[-1]) / (len(times) - 1)
+        return self._clock.compute_ms_between(times[0], times[-1])
 
     def _watch_blocks(self, position: Callable[[], int]) -> None:
         marks, times, clock = self._marks, self._block_times, self._clock
@@ -349,16 +364,20 @@ def plan_step(
     configured_cap = outbound.configured_inflight_cap
     if planner.measuring:
         extra = {
-            "backward_ms": transfer.backward_ms(),
             "tail": outbound.default_tail,
             "prefetch_bytes": outbound.prefetch_cap,
             "inflight_cap": configured_cap or DEFAULT_MAX_INFLIGHT_BYTES,
             "inflight_fixed": outbound.inflight_fixed,
         }
-        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.forward_ms(), transfer.link_rate, extra)
+        forward_ms, backward_ms = transfer.forward_ms(), transfer.backward_ms()
     else:
-        planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, transfer.last_compute_ms, transfer.link_rate, {})
+        extra = {}
+        forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
+    planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, forward_ms, transfer.link_rate, extra, backward_ms)
     plan = planner.begin_step(position)
+    # A checkpointed block saves little and fast, the others much: a forward with checkpointed blocks has no uniform
+    # pace, so the link model keeps the measuring steps' pace (the offloaded bytes come from blocks run in full).
+    transfer.link.frozen = plan is not None and plan.checkpoint_blocks > 0
     if plan is None:  # measuring: keep everything, unless memory passes the watermark (then copies are throttled)
         outbound.tail = _KEEP_ALL
         outbound.inflight_cap = configured_cap or DEFAULT_MAX_INFLIGHT_BYTES

@@ -222,10 +222,8 @@ class OffloadEngine:
             outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
         if self._watermark is not None and self.planner.memory.allocated() > self._watermark:  # type: ignore[union-attr]
-            # The measuring step nears the budget: what was saved so far stays (so the step's peak is known to hold
-            # exactly those bytes of activations), everything saved from now on leaves.
+            # The measuring step nears the budget: everything saved so far and from now on leaves.
             self._watermark, self.planner.tripped = None, True  # type: ignore[union-attr]
-            outbound.keep_pending(stats)
             outbound.tail = 0
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)

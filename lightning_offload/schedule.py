@@ -42,11 +42,12 @@ class LinkModel:
     def __init__(self) -> None:
         self.ratio: float | None = None
         self.backward_ratio: float | None = None
+        self.frozen = False  # observe nothing (the paces of steps that would mislead the model)
         self._link_free_at = 0.0  # position at which the copy stream will be idle, per the model
 
     def observe(self, saved_bytes: int, forward_ms: float, link_bytes_per_ms: float) -> None:
         """Fold in one measured forward: ``saved_bytes`` eligible bytes saved in ``forward_ms`` of device time."""
-        if saved_bytes <= 0 or forward_ms <= 0 or link_bytes_per_ms <= 0:
+        if saved_bytes <= 0 or forward_ms <= 0 or link_bytes_per_ms <= 0 or self.frozen:
             return
         ratio = (saved_bytes / forward_ms) / link_bytes_per_ms
         # Smooth across steps: one slow forward (a recompile, a logging step) should not swing the schedule.
@@ -54,7 +55,7 @@ class LinkModel:
 
     def observe_backward(self, saved_bytes: int, backward_ms: float, link_bytes_per_ms: float) -> None:
         """Fold in one measured backward over ``saved_bytes`` eligible bytes (compute time, waits excluded)."""
-        if saved_bytes <= 0 or backward_ms <= 0 or link_bytes_per_ms <= 0:
+        if saved_bytes <= 0 or backward_ms <= 0 or link_bytes_per_ms <= 0 or self.frozen:
             return
         ratio = (saved_bytes / backward_ms) / link_bytes_per_ms
         self.backward_ratio = ratio if self.backward_ratio is None else 0.5 * (self.backward_ratio + ratio)
@@ -133,8 +134,8 @@ class StepProfile:
         blocks: checkpointable blocks (the model's repeated layers; 0 when none were found).
         block_bytes: eligible bytes one block saves, on average.
         block_input_bytes: the bytes a checkpointed block saves instead (its input).
-        block_ms: compute time of one block's forward, i.e. its recompute under checkpointing (0: not measured, use
-            ``forward_ms / blocks``).
+        block_share: the blocks' share of forward's compute time (0: not measured, taken as all of it); a block's
+            recompute under checkpointing costs ``block_share * forward_ms / blocks``.
         backward_ms: compute time of backward (0: not measured, taken as twice forward's).
         tail: eligible bytes at the end of each forward that never leave (``resident_tail_bytes``).
         prefetch_bytes: the most bytes fetched back ahead of need while backward has freed nothing yet.
@@ -150,7 +151,7 @@ class StepProfile:
     blocks: int = 0
     block_bytes: int = 0
     block_input_bytes: int = 0
-    block_ms: float = 0.0
+    block_share: float = 0.0
     backward_ms: float = 0.0
     tail: int = 0
     prefetch_bytes: int = 0
@@ -217,8 +218,8 @@ class OffloadModel:
     * *Throttled* at ``inflight_cap``: forward waits whenever more than the cap lags behind, so only the cap is left
       at the peak, at the price of forward waiting for the link while it saves the offloaded bytes.
 
-    Either way, backward must bring the bytes back: what its compute cannot hide shows as time, and copies that must
-    start before backward has freed anything are fetched ahead at the peak (up to ``prefetch_bytes``).
+    Either way, backward must bring the bytes back: what its compute cannot hide shows as time, and copies fetched
+    ahead of need may be on the device at the peak (up to ``prefetch_bytes``).
     """
 
     def __init__(self, profile: StepProfile, eligible: int) -> None:
@@ -229,12 +230,10 @@ class OffloadModel:
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
 
     def _fetched_at_peak(self, nbytes: int) -> int:
-        """Bytes fetched back ahead of need before backward freed any: when bringing ``nbytes`` back takes longer
-        than backward needs to reach them (``SLACK`` earlier), prefetching starts with backward."""
-        if nbytes <= 0 or self.eligible <= 0:
-            return 0
-        reach_ms = self.backward_ms * (self.eligible - nbytes) / self.eligible
-        return min(nbytes, self.p.prefetch_bytes) if nbytes / self.link * SLACK >= reach_ms else 0
+        """Bytes fetched back ahead of need while backward has freed nothing yet: counted in full (when prefetching
+        starts depends on how evenly backward walks the saved bytes, which checkpointed blocks and the loss make
+        uneven, and a peak under-predicted fails under a hard cap)."""
+        return min(max(0, nbytes), self.p.prefetch_bytes)
 
     def _way_back_ms(self, nbytes: int) -> float:
         return max(0.0, nbytes / self.link - HIDDEN_SHARE * self.backward_ms)
@@ -279,7 +278,7 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
     fixed = profile.peak - profile.resident
-    per_block_ms = profile.block_ms or (profile.forward_ms / profile.blocks if profile.blocks else 0.0)
+    per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     saved_per_block = max(0, profile.block_bytes - profile.block_input_bytes)
     candidates = []
     for k in range(profile.blocks + 1):

@@ -229,8 +229,8 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
     assert profile is not None and plan is not None
     compute = BLOCKS * BLOCK_MS + 1.0
     assert min(clock) > 3 * compute  # the measuring steps mostly waited for copies
-    assert profile.block_ms == pytest.approx(BLOCK_MS)
     assert (BLOCKS - 1) * BLOCK_MS <= profile.forward_ms <= compute
+    assert profile.block_share * profile.forward_ms / BLOCKS == pytest.approx(BLOCK_MS, rel=0.1)
     assert plan.fits and plan.checkpoint_blocks > 0
 
 
@@ -282,9 +282,10 @@ def test_replan_measures_again() -> None:
 
 
 def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
-    """The first step keeps everything until allocated memory passes the budget less its reserve; what was saved
-    until then stays and everything saved later leaves: the first step is safe where the model does not fit, free
-    where it does, and knows how many bytes of activations its peak held."""
+    """The first step keeps everything until allocated memory passes the budget less its reserve; from there on
+    everything saved so far and after leaves: the first step is safe where the model does not fit (a measuring step
+    that kept what it saved until the watermark ran out of memory under a hard cap on an H200: backward's gradients
+    and the loss's transient came on top), and free where it does."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
     for budget, offloads in ((int((GiB + act // 2) / 0.5), True), (3 * GiB, False)):
@@ -298,12 +299,8 @@ def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
         first = run_steps(engine, model, x, 1)[0]
         watermark = budget - int(budget * 0.5)
         if offloads:
-            kept = seen[-1] - GiB  # what forward had saved when allocated memory first passed the watermark
+            assert first["offloaded"] == act
             assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
-            assert 0 < kept < act and first["offloaded"] == act - kept
-            run_steps(engine, model, x, 1)  # the second step begins by learning from the first
-            profile = engine.planner.profile  # type: ignore[union-attr]
-            assert profile is not None and profile.resident == kept
         else:
             assert first["offloaded"] == 0
             assert max(seen) <= watermark
