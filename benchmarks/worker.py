@@ -381,6 +381,7 @@ class Runner:
                 measure_copies=self.cuda,
                 model=self.model,
             )
+            cleanup.callback(engine.close)  # the planner's checkpointing must not leak into the next row
             return (lambda: engine), engine
         return contextlib.nullcontext, None
 

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     baseline = peak_of(None)
     offloaded_peak = peak_of(engine)
     stats = engine.stats  # the latest step's counters
+    engine.close()  # leave the model as it was (a memory-budget plan may have checkpointed some of its blocks)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU (compute_device=cpu)'}, mode {args.mode!r}")
     print(
         f"latest step: {stats.saved_tensors} tensors saved, {stats.offloaded_tensors} offloaded "

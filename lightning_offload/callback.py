@@ -276,8 +276,8 @@ class ActivationOffloadCallback(Callback):
         """Remove every checkpoint wrapper this callback (or its planner) applied."""
         if self._manual is not None:
             self._manual.remove(pl_module)
-        if self._engine is not None and self._engine.planner is not None:
-            self._engine.planner.remove()
+        if self._engine is not None:
+            self._engine.close()
 
     def _picture_title(self) -> str:
         return f"ActivationOffloadCallback(mode={self.options.mode!r}): one training step"

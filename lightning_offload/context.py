@@ -37,6 +37,7 @@ def offload_activations(
                 loss = model(x).sum()
             loss.backward()
             print(off.stats.offloaded_bytes)
+        off.close()  # the planner may have checkpointed some of ``model``'s blocks: this removes the wrappers
 
     Args:
         mode, memory_budget, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes,

@@ -127,6 +127,14 @@ class OffloadEngine:
         if self._outbound is not None:
             self._outbound.retire()  # finished copies let go of their sources now, not at the next step
 
+    def close(self) -> None:
+        """Leave the model as it was: remove the hooks and the blocks the memory-budget planner checkpointed.
+
+        Installing the engine again later applies its plan again."""
+        self.uninstall()
+        if self.planner is not None:
+            self.planner.remove()
+
     def __enter__(self) -> OffloadEngine:
         self.install()
         return self

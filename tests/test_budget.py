@@ -202,8 +202,9 @@ def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -
     assert steps[-1]["saved"] < steps[0]["saved"]  # checkpointed blocks save only their inputs
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
-    engine.planner.remove()  # type: ignore[union-attr]
+    engine.close()
     assert checkpointed_modules(model) == []
+    assert not engine.installed
 
 
 def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -> None:
