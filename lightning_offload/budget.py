@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
+from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.schedule import Plan, StepProfile, plan_for_budget
+from lightning_offload.schedule import FRUGAL_CAP, Plan, StepProfile, plan_for_budget
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
 
@@ -50,8 +51,10 @@ _KEEP_ALL = 1 << 62
 # The measuring steps start offloading once allocated memory passes the budget less this share of it: what backward,
 # the loss and the optimizer's first step add on top of forward's activations is not known yet. A budget given by the
 # user is often a hard limit (a shared GPU, a cap): half of it stays free while measuring. The device's own memory
-# ("auto") keeps a quarter, so a model that uses most of the GPU but fits is measured without offloading.
-_RESERVE_SHARE = {True: 0.5, False: 0.25}
+# ("auto", itself a margin below the device's total) keeps a tenth, so a model that uses most of the GPU but fits is
+# measured without offloading (Llama-8B LoRA at 8k tokens reaches 98 GiB of a 131 GiB budget in forward: a quarter
+# made it trip, and a step that tripped late plans far too much offloading).
+_RESERVE_SHARE = {True: 0.5, False: 0.10}
 
 
 class DeviceMemory:
@@ -351,16 +354,17 @@ def plan_step(
     planner: BudgetPlanner,
     transfer: Any,
     outbound: OutboundQueue | None,
+    inbound: InboundQueue | None,
     stats: OffloadStats,
     position: Callable[[], int],
 ) -> tuple[int | None, int | None]:
-    """Close the planner's previous step (``stats`` describe it) and set the outbound queue up for the next one.
+    """Close the planner's previous step (``stats`` describe it) and set the copy queues up for the next one.
 
     Returns:
         The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
         step) and the watermark of allocated bytes beyond which a measuring step starts offloading.
     """
-    assert isinstance(transfer, StreamedTransfer) and outbound is not None
+    assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
     configured_cap = outbound.configured_inflight_cap
     if planner.measuring:
         extra = {
@@ -378,10 +382,14 @@ def plan_step(
     # A checkpointed block saves little and fast, the others much: a forward with checkpointed blocks has no uniform
     # pace, so the link model keeps the measuring steps' pace (the offloaded bytes come from blocks run in full).
     transfer.link.frozen = plan is not None and plan.checkpoint_blocks > 0
-    if plan is None:  # measuring: keep everything, unless memory passes the watermark (then copies are throttled)
+    if plan is None:
+        # Measuring: keep everything, unless memory passes the watermark; from there on the step must be frugal (the
+        # model may not fit), so copies barely run ahead of compute either way.
         outbound.tail = _KEEP_ALL
-        outbound.inflight_cap = configured_cap or DEFAULT_MAX_INFLIGHT_BYTES
+        outbound.inflight_cap = min(configured_cap or DEFAULT_MAX_INFLIGHT_BYTES, FRUGAL_CAP)
+        inbound.cap = min(outbound.prefetch_cap, FRUGAL_CAP)
         return None, planner.watermark
     outbound.tail = outbound.default_tail
     outbound.inflight_cap = plan.inflight_cap
+    inbound.cap = plan.prefetch_cap if plan.prefetch_cap is not None else outbound.prefetch_cap
     return plan.offload_bytes, None

@@ -106,7 +106,7 @@ class OffloadEngine:
         plan_limit = None
         if self.planner is not None:
             plan_limit, self._watermark = plan_step(
-                self.planner, self._transfer, self._outbound, self._stats, lambda: self._log.position
+                self.planner, self._transfer, self._outbound, self._inbound, self._stats, lambda: self._log.position
             )
         self._stats = OffloadStats()
         self._allocations_at_start = self._pool.allocations

@@ -119,6 +119,8 @@ def plan_prefetch(
 # The share of forward (and of backward) behind which copies are assumed to hide: the rest of a transfer shows as step
 # time. Below 1 because copies share memory bandwidth and start only once tensors exist.
 HIDDEN_SHARE = 0.8
+# The in-flight and prefetch bounds of the most frugal plan (copies then barely overlap compute).
+FRUGAL_CAP = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,8 @@ class Plan:
         fits: whether ``peak`` is within the budget.
         inflight_cap: the most bytes whose copies out may lag behind forward (``None``: no bound, the copies finish
             behind forward's compute).
+        prefetch_cap: the most bytes fetched back ahead of need before backward frees any (``None``: the
+            configured ``prefetch_bytes``).
     """
 
     offload_bytes: int
@@ -180,6 +184,7 @@ class Plan:
     extra_ms: float
     fits: bool
     inflight_cap: int | None = None
+    prefetch_cap: int | None = None
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)
@@ -204,6 +209,7 @@ class OffloadChoice:
     relief: int
     cost_ms: float
     inflight_cap: int | None
+    prefetch_cap: int | None = None
 
 
 class OffloadModel:
@@ -229,11 +235,11 @@ class OffloadModel:
         self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
 
-    def _fetched_at_peak(self, nbytes: int) -> int:
+    def _fetched_at_peak(self, nbytes: int, prefetch: int | None = None) -> int:
         """Bytes fetched back ahead of need while backward has freed nothing yet: counted in full (when prefetching
         starts depends on how evenly backward walks the saved bytes, which checkpointed blocks and the loss make
         uneven, and a peak under-predicted fails under a hard cap)."""
-        return min(max(0, nbytes), self.p.prefetch_bytes)
+        return min(max(0, nbytes), self.p.prefetch_bytes if prefetch is None else prefetch)
 
     def _way_back_ms(self, nbytes: int) -> float:
         return max(0.0, nbytes / self.link - HIDDEN_SHARE * self.backward_ms)
@@ -264,7 +270,15 @@ class OffloadModel:
         return min(fitting, key=lambda c: (c.cost_ms, c.nbytes)) if fitting else None
 
     def most_frugal(self, movable: int) -> OffloadChoice:
-        return self.throttled(movable, self.p.inflight_cap)
+        """Everything movable leaves, with little in flight either way: the least peak, whatever it costs."""
+        cap = min(self.p.inflight_cap, FRUGAL_CAP)
+        prefetch = min(self.p.prefetch_bytes, FRUGAL_CAP)
+        relief = movable - min(movable, cap) - self._fetched_at_peak(movable, prefetch)
+        saving_ms = self.p.forward_ms * movable / max(1, self.eligible)
+        waiting_ms = max(0.0, (movable - cap) / self.link - saving_ms)
+        # With little fetched ahead, most of the way back waits for the link.
+        back_ms = max(self._way_back_ms(movable), movable / self.link - self.backward_ms / 2)
+        return OffloadChoice(movable, relief, waiting_ms + back_ms, cap, prefetch)
 
 
 def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
@@ -296,7 +310,7 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
             choice = model.most_frugal(movable)
         peak = kept_peak - max(0, choice.relief)
         cost = k * per_block_ms + choice.cost_ms
-        candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap))
+        candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
     fitting = [p for p in candidates if p.fits]
     if fitting:
         return min(fitting, key=lambda p: (p.extra_ms, p.peak))

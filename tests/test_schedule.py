@@ -147,6 +147,7 @@ def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting
     assert not plan.fits
     # Offloading all but the tail holds less than checkpointing, whose backward rebuilds a 1 GiB block at a time.
     assert (plan.checkpoint_blocks, plan.offload_bytes) == (0, 10 * GiB - 256 * MiB)
+    assert (plan.inflight_cap, plan.prefetch_cap) == (256 * MiB, 256 * MiB)  # little in flight either way
     assert plan.peak > 19 * GiB
     assert "does NOT fit" in plan.describe(19 * GiB)
 
