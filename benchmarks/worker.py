@@ -288,6 +288,7 @@ class Runner:
         self.initial = {n: self._to_host(p.detach()) for n, p in self.trainable}
         self.reference_grads: dict[str, torch.Tensor] | None = None
         self.rows: dict[str, dict[str, Any]] = {}  # measured so far: budgets are fractions of their peaks
+        self.step_index = 0  # the step being run (for an out-of-memory report)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.cuda)
@@ -339,8 +340,12 @@ class Runner:
                 # After the fresh start emptied the cache: the cap bounds everything the row reserves.
                 with memory_cap(self.device, budget):
                     self._measure(mode, row, step_context, optimizer, engine)
-            except torch.cuda.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError as err:
                 row["status"] = "OOM"
+                # Where it ran out (warm-up steps come first, so a planner's measuring steps are 0 and 1) and the
+                # allocator's account of it.
+                row["oom_step"] = self.step_index
+                row["oom_error"] = str(err)[:600]
                 self._after_failure(engine)
             except Exception as err:
                 traceback.print_exc()
@@ -410,6 +415,7 @@ class Runner:
         warmup, steps = (self.anchor_warmup, self.anchor_steps) if mode.group == "anchor" else (self.warmup, self.steps)
         row["warmup"], row["steps"] = warmup, steps
         for index in range(warmup + steps):
+            self.step_index = index
             timed = index >= warmup
             if index == warmup and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)

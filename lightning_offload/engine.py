@@ -75,6 +75,7 @@ class OffloadEngine:
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
         self._watermark: int | None = None
+        self._segments_switched = False
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
         self._transfer: Transfer = SyncTransfer()
@@ -113,6 +114,8 @@ class OffloadEngine:
         self._log.start_step()
         if plan_limit == 0:
             return  # the plan keeps everything: no hooks, no cost
+        if self._watermark is None:  # this step offloads (a measuring step only once it passes its watermark)
+            self._offloading_starts()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -175,8 +178,6 @@ class OffloadEngine:
         device = self.options.resolved_device() or _no_device()
         self._device = device
         self._pool = pool_for(device)
-        if device.type == "cuda" and self.options.mode != "off":
-            use_expandable_segments()  # offloading's frees would otherwise fragment reserved memory
         if self.options.mode == "streamed" and device.type != "meta":
             streams = self._streams
             if streams is None:
@@ -186,6 +187,14 @@ class OffloadEngine:
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
         model = self._model_ref() if self._model_ref is not None else None
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
+
+    def _offloading_starts(self) -> None:
+        """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones, once, on
+        CUDA, when copies are about to leave (an engine whose plan keeps everything leaves the allocator alone)."""
+        if not self._segments_switched and self._device is not None and self._device.type == "cuda":
+            self._segments_switched = True
+            if self.options.mode != "off":
+                use_expandable_segments()
 
     def replan(self) -> None:
         """Measure a step again before planning (call it when the input's shape changes)."""
@@ -233,6 +242,7 @@ class OffloadEngine:
             # The measuring step nears the budget: everything saved so far and from now on leaves.
             self._watermark, self.planner.tripped = None, True  # type: ignore[union-attr]
             outbound.tail = 0
+            self._offloading_starts()
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)
         off = self.options.mode == "off"
