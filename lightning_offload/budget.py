@@ -1,14 +1,16 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
-each keeps every saved tensor on the device, counts what forward saves block by block and times forward's compute
-(waits for copies excluded), unless device memory passes a watermark below the budget: from there on it offloads
-everything it can (so measuring stays safe where the model does not fit). Two, because the optimizer allocates its
-state in the first step. From that profile :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes
-leave and how many blocks are checkpointed; the engine applies the plan. A plan that offloads nothing does not even
-install the hooks, so a model that fits pays nothing. A step whose peak passes the budget anyway corrects the model
-and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next); a step
-whose compute ran faster than measured corrects the timing.
+each counts what forward saves block by block and times forward's and backward's compute (waits for copies
+excluded). Under a budget the user gave, they offload everything from the first saved tensor: the most frugal step
+there is, and its peak is the step's own (weights, optimizer state, the loss's transient). Under the device's own
+budget they keep everything unless memory passes a watermark, so a model that fits is measured at no cost. Two,
+because the optimizer allocates its state in the first step. From that profile
+:func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
+the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
+nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
+relaxed on a lighter step can pass a hard cap on the next); a step whose compute ran faster than measured corrects
+the timing.
 
 Torch only: no Lightning import.
 """
@@ -48,13 +50,11 @@ _MEASURED_STEPS = 2
 _REPLAN_SHARE = 0.02
 # A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
 _KEEP_ALL = 1 << 62
-# The measuring steps start offloading once allocated memory passes the budget less this share of it: what backward,
-# the loss and the optimizer's first step add on top of forward's activations is not known yet. A budget given by the
-# user is often a hard limit (a shared GPU, a cap): half of it stays free while measuring. The device's own memory
-# ("auto", itself a margin below the device's total) keeps a tenth, so a model that uses most of the GPU but fits is
-# measured without offloading (Llama-8B LoRA at 8k tokens reaches 98 GiB of a 131 GiB budget in forward: a quarter
-# made it trip, and a step that tripped late plans far too much offloading).
-_RESERVE_SHARE = {True: 0.5, False: 0.10}
+# The device's own budget ("auto", itself a margin below the device's total): measuring steps keep everything until
+# allocated memory passes the budget less this share of it, so a model that uses most of the GPU but fits is measured
+# without offloading (and without pinning host memory). Llama-8B LoRA at 8k tokens reaches 98 GiB of a 131 GiB
+# budget in forward: a quarter made it trip, and a step that tripped late plans far too much offloading.
+_AUTO_RESERVE_SHARE = 0.10
 
 
 class DeviceMemory:
@@ -132,7 +132,7 @@ class BudgetPlanner:
     ) -> None:
         self.memory = memory
         self.budget = budget if budget is not None else default_budget(memory.total())
-        self._reserve = int(self.budget * _RESERVE_SHARE[budget is not None])
+        self._reserve = int(self.budget * _AUTO_RESERVE_SHARE)
         self.owns_peaks = owns_peaks
         self.plan: Plan | None = None
         self.profile: StepProfile | None = None
@@ -143,7 +143,10 @@ class BudgetPlanner:
         self._checkpointed: list[str] = []
         self._measuring = False
         self._measure_left = _MEASURED_STEPS  # steps still to measure before the first plan
-        self.tripped = False  # the measuring step passed its watermark and began offloading
+        # The measuring step passed its watermark and began offloading. A budget the user gives is often a hard limit
+        # (a shared GPU, a cap) and what the loss and backward add on top of forward is not known yet (on an H200, a
+        # small model's logits took 1.5 of a 2 GiB budget): its measuring steps offload from the first saved tensor.
+        self.tripped = budget is not None
         self._stepping = False
         self._backward_peak = 0
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)

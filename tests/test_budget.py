@@ -96,7 +96,7 @@ class FakeMemory:
         self._peak = 0
 
 
-def planned_engine(budget: int, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams) -> OffloadEngine:
+def planned_engine(budget: int | str, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams) -> OffloadEngine:
     options = OffloadOptions.create(
         "test",
         memory_budget=budget,
@@ -153,7 +153,7 @@ def test_a_model_that_fits_runs_without_hooks_after_the_measuring_steps() -> Non
     steps = run_steps(engine, model, x, 4)
     expected = reference_grads(x)
     assert [s["hooked"] for s in steps] == [True, True, False, False]
-    assert all(s["offloaded"] == 0 for s in steps)
+    assert [s["offloaded"] for s in steps][2:] == [0, 0]
     for s in steps:
         assert_same_grads(s["grads"], expected)
     assert engine.planner is not None and engine.planner.plan is not None
@@ -251,7 +251,9 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
     first = engine.planner.plan  # type: ignore[union-attr]
     memory.transient -= act // 10  # lighter
     run_steps(engine, model, x, 2)
-    assert engine.planner.plan == first  # type: ignore[union-attr]
+    lighter = engine.planner.plan  # type: ignore[union-attr]
+    assert first is not None and lighter is not None
+    assert (lighter.offload_bytes, lighter.checkpoint_blocks) == (first.offload_bytes, first.checkpoint_blocks)
     memory.transient += act // 4  # the loss's transient grows
     run_steps(engine, model, x, 3)
     grown = engine.planner.plan  # type: ignore[union-attr]
@@ -282,33 +284,45 @@ def test_replan_measures_again() -> None:
     assert [s["hooked"] for s in run_steps(engine, model, torch.randn(2 * BATCH, WIDTH), 2)] == [True, False]
 
 
-def test_the_measuring_step_starts_offloading_at_the_watermark() -> None:
-    """The first step keeps everything until allocated memory passes the budget less its reserve; from there on
-    everything saved so far and after leaves: the first step is safe where the model does not fit (a measuring step
-    that kept what it saved until the watermark ran out of memory under a hard cap on an H200: backward's gradients
-    and the loss's transient came on top), and free where it does."""
+def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_watermark() -> None:
+    """With ``memory_budget="auto"`` the first step keeps everything until allocated memory passes the budget less a
+    tenth; from there on everything saved so far and after leaves: free where the model fits, safe where it does not.
+    The next measuring step offloads from its first saved tensor (the first one's peak was its watermark's)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    for budget, offloads in ((int((GiB + act // 2) / 0.5), True), (3 * GiB, False)):
+    total = 100 * GiB
+    watermark = default_budget(total) - int(default_budget(total) * 0.10)
+    for base, offloads in ((watermark - act // 2, True), (GiB, False)):
         sim = SimulatedStreams(lag=0)
         model = Stack(sim)
-        memory = FakeMemory(base=GiB, transient=0)
+        memory = FakeMemory(base=base, transient=0, total=total)
         seen: list[int] = []
         allocated = memory.allocated
         memory.allocated = lambda seen=seen, allocated=allocated: seen.append(allocated()) or seen[-1]  # type: ignore[method-assign]
-        engine = planned_engine(budget, memory, model, sim)
+        engine = planned_engine("auto", memory, model, sim)
         first = run_steps(engine, model, x, 1)[0]
-        watermark = budget - int(budget * 0.5)
         if offloads:
             assert first["offloaded"] == act
             assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
-            # The second measuring step offloads from its first saved tensor: its peak is not the watermark's.
-            seen.clear()
             assert run_steps(engine, model, x, 1)[0]["offloaded"] == act
             assert engine.planner.watermark == 0  # type: ignore[union-attr]
         else:
             assert first["offloaded"] == 0
             assert max(seen) <= watermark
+
+
+def test_under_a_users_budget_the_measuring_steps_offload_everything() -> None:
+    """A budget the user gives may be a hard cap, and what the loss and backward add is not known yet: both measuring
+    steps offload from the first saved tensor (the most frugal step), then the plan takes over."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=0)
+    engine = planned_engine(3 * GiB, memory, model, sim)
+    steps = run_steps(engine, model, x, 3)
+    assert [s["offloaded"] for s in steps] == [act, act, 0]
+    assert [s["hooked"] for s in steps] == [True, True, False]
 
 
 def test_default_budget_leaves_a_margin() -> None:

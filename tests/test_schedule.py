@@ -145,8 +145,8 @@ def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting
     """Weights and transients alone (20 GiB) exceed the budget: nothing fits, the plan says so."""
     plan = plan_for_budget(profile(), budget=19 * GiB)
     assert not plan.fits
-    # Offloading all but the tail holds less than checkpointing, whose backward rebuilds a 1 GiB block at a time.
-    assert (plan.checkpoint_blocks, plan.offload_bytes) == (0, 10 * GiB - 256 * MiB)
+    # Every block checkpointed (10 inputs of 64 MiB stay saved) and all of that but the tail offloaded.
+    assert (plan.checkpoint_blocks, plan.offload_bytes) == (10, 10 * 64 * MiB - 256 * MiB)
     assert (plan.inflight_cap, plan.prefetch_cap) == (256 * MiB, 256 * MiB)  # little in flight either way
     assert plan.peak > 19 * GiB
     assert "does NOT fit" in plan.describe(19 * GiB)
