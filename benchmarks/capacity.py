@@ -165,6 +165,11 @@ class CapacityWorker:
             if peak > self.cap_bytes:
                 return search.Probe(seq, False, wall_s=time.perf_counter() - started, note="simulated OOM")
         _free(self.device)
+        if engine is not None:
+            # A new sequence length: the memory-budget planner must measure it (the callback does this by itself when
+            # the input's shape changes; the context manager is told). Without it, probes after the first ran on the
+            # plan of a shorter sequence (results before 2026-12-01 second session: ours-budget 4096 tokens).
+            engine.replan()
         allocated_before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         ids = torch.randint(0, self.workload.vocab, (1, seq), generator=self.generator).to(self.device)
         params = [p for _, p in self.bench.trainable()]

@@ -45,9 +45,11 @@ class OffloadOptions:
             ``"sync"`` copies on the compute stream when a tensor is saved and when backward needs it (simple, for
             debugging); ``"off"`` offloads nothing and only counts what would be offloaded.
         memory_budget: the most device memory a training step may use, in bytes or as a string such as
-            ``"40GiB"``; a planner measures the first step and then runs each step on the cheapest plan that stays
-            within it: keep what fits (the hooks are not even installed), offload the earliest tensors (their
-            copies hide behind compute), checkpoint the fewest repeated blocks needed, offload everything last.
+            ``"40GiB"``; a planner measures the first two steps (under a budget given here they offload everything,
+            the most frugal way to run) and then runs each step on the cheapest plan that stays within it: keep
+            what fits (the hooks are not even installed), offload the earliest tensors (their copies hide behind
+            compute), checkpoint the fewest repeated blocks needed, checkpoint all and offload the rest last. A new
+            input shape is measured again (the callback notices; the context manager's user calls ``replan()``).
             ``"auto"``: the device's memory less a margin, so a model that fits pays nothing and one that does not
             is made to fit. ``None``: no planning; offload every eligible tensor (within ``max_offload_bytes``).
             Planning needs ``mode="streamed"`` and a CUDA device; ``max_offload_bytes`` or ``checkpoint=`` given
