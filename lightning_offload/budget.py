@@ -76,7 +76,7 @@ class DeviceMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def use_expandable_segments() -> bool:
+def use_expandable_segments(device: torch.device | None = None) -> bool:
     """Switch the CUDA caching allocator to expandable segments, unless the user configured the allocator.
 
     Offloading frees and reallocates activations of many sizes in a different order than plain training; with fixed
@@ -85,9 +85,14 @@ def use_expandable_segments() -> bool:
     range instead. It applies to segments allocated from now on (activations; weights allocated earlier stay where
     they are). Off-switch: set ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:False``), and it is left alone.
 
+    Args:
+        device: the device offloading runs on; anything but CUDA is left alone (``None``: CUDA).
+
     Returns:
         Whether the setting was switched on here.
     """
+    if device is not None and device.type != "cuda":
+        return False
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
     # Newer torch moved the setting to the accelerator API (the CUDA one warns that it is deprecated there).

@@ -191,10 +191,10 @@ class OffloadEngine:
     def _offloading_starts(self) -> None:
         """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones, once, on
         CUDA, when copies are about to leave (an engine whose plan keeps everything leaves the allocator alone)."""
-        if not self._segments_switched and self._device is not None and self._device.type == "cuda":
+        if not self._segments_switched and self._device is not None:
             self._segments_switched = True
             if self.options.mode != "off":
-                use_expandable_segments()
+                use_expandable_segments(self._device)
 
     def replan(self) -> None:
         """Measure a step again before planning (call it when the input's shape changes)."""
