@@ -391,9 +391,12 @@ def plan_step(
         forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
     planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, forward_ms, transfer.link_rate, extra, backward_ms)
     plan = planner.begin_step(position)
-    # A checkpointed block saves little and fast, the others much: a forward with checkpointed blocks has no uniform
-    # pace, so the link model keeps the measuring steps' pace (the offloaded bytes come from blocks run in full).
-    transfer.link.frozen = plan is not None and plan.checkpoint_blocks > 0
+    profile = planner.profile
+    if plan is not None and profile is not None:
+        # The link model runs on the profile's paces (the planner's own, corrected by faster later steps).
+        transfer.link.use_pace(profile.eligible, profile.forward_ms, profile.backward_ms, transfer.link_rate)
+    else:
+        transfer.link.frozen = False
     if plan is None:
         # Measuring: keep everything, unless memory passes the watermark; from there on the step must be frugal (the
         # model may not fit), so copies barely run ahead of compute either way.

@@ -60,6 +60,20 @@ class LinkModel:
         ratio = (saved_bytes / backward_ms) / link_bytes_per_ms
         self.backward_ratio = ratio if self.backward_ratio is None else 0.5 * (self.backward_ratio + ratio)
 
+    def use_pace(self, saved_bytes: int, forward_ms: float, backward_ms: float, link_bytes_per_ms: float) -> None:
+        """Take the paces of a measured step (a memory-budget plan's profile) and stop learning.
+
+        Under a plan, a forward's own pace misleads: checkpointed blocks save little and fast while the offloaded
+        bytes come from blocks run in full, and the first measuring step's device time includes pinning its host
+        buffers (on an H200, 8B LoRA's forward waited 130 ms for copies the link had long finished).
+        """
+        if saved_bytes > 0 and link_bytes_per_ms > 0:
+            if forward_ms > 0:
+                self.ratio = (saved_bytes / forward_ms) / link_bytes_per_ms
+            if backward_ms > 0:
+                self.backward_ratio = (saved_bytes / backward_ms) / link_bytes_per_ms
+        self.frozen = True
+
     def forward_started(self) -> None:
         """A new forward: the link is idle as far as the model knows."""
         self._link_free_at = 0.0

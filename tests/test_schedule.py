@@ -77,6 +77,19 @@ def test_deadline_queues_copies_behind_each_other() -> None:
     assert link.deadline(0, 10 * MiB) == pytest.approx(30 * MiB * SLACK)
 
 
+def test_a_plan_pace_replaces_what_the_link_model_learnt_and_stops_learning() -> None:
+    """Under a memory-budget plan the link model runs on the measured step's paces: a forward with checkpointed
+    blocks (or one slowed by pinning host memory) would otherwise teach it deadlines that come too early."""
+    link = LinkModel()
+    link.observe(saved_bytes=100 * MiB, forward_ms=1000.0, link_bytes_per_ms=10 * MiB)  # a slow first step
+    link.use_pace(saved_bytes=400 * MiB, forward_ms=10.0, backward_ms=20.0, link_bytes_per_ms=10 * MiB)
+    assert link.ratio == pytest.approx(4.0) and link.backward_ratio == pytest.approx(2.0)
+    assert link.backward_lead() == pytest.approx(2.0 * SLACK)
+    link.observe(saved_bytes=100 * MiB, forward_ms=100.0, link_bytes_per_ms=10 * MiB)
+    link.observe_backward(saved_bytes=100 * MiB, backward_ms=100.0, link_bytes_per_ms=10 * MiB)
+    assert link.ratio == pytest.approx(4.0) and link.backward_ratio == pytest.approx(2.0)  # frozen
+
+
 # ---------------------------------------------------------------------------------------------- the memory budget
 
 from lightning_offload.schedule import HIDDEN_SHARE, OffloadModel, StepProfile, plan_for_budget  # noqa: E402
