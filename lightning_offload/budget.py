@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
+from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
@@ -55,57 +55,6 @@ _KEEP_ALL = 1 << 62
 # without offloading (and without pinning host memory). Llama-8B LoRA at 8k tokens reaches 98 GiB of a 131 GiB
 # budget in forward: a quarter made it trip, and a step that tripped late plans far too much offloading.
 _AUTO_RESERVE_SHARE = 0.10
-
-
-class DeviceMemory:
-    """The allocator's counters of a CUDA device (tests pass an object with the same methods)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def total(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-
-def use_expandable_segments(device: torch.device | None = None) -> bool:
-    """Switch the CUDA caching allocator to expandable segments, unless the user configured the allocator.
-
-    Offloading frees and reallocates activations of many sizes in a different order than plain training; with fixed
-    segments the freed blocks fragment, so memory *reserved* grows far past memory *allocated* (1.57x measured on an
-    H200) and a budget in allocated bytes would not fit a hard cap. Expandable segments map memory into one growing
-    range instead. It applies to segments allocated from now on (activations; weights allocated earlier stay where
-    they are). Off-switch: set ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:False``), and it is left alone.
-
-    Args:
-        device: the device offloading runs on; anything but CUDA is left alone (``None``: CUDA).
-
-    Returns:
-        Whether the setting was switched on here.
-    """
-    if device is not None and device.type != "cuda":
-        return False
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return False
-    # Newer torch moved the setting to the accelerator API (the CUDA one warns that it is deprecated there).
-    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
-        torch.cuda.memory, "_set_allocator_settings", None
-    )
-    if setting is None:
-        return False
-    try:
-        setting("expandable_segments:True")
-    except RuntimeError:  # a backend without the setting
-        return False
-    return True
 
 
 def default_budget(total: int) -> int:
@@ -163,6 +112,14 @@ class BudgetPlanner:
     @property
     def measuring(self) -> bool:
         return self._measuring
+
+    def passed_watermark(self) -> bool:
+        """Whether a measuring step's device memory just passed its watermark (true once per step): from there on
+        the step offloads everything it saved and saves."""
+        if self.watermark is None or self.memory.allocated() <= self.watermark:
+            return False
+        self.watermark, self.tripped = None, True
+        return True
 
     def backward_finished(self) -> None:
         """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
@@ -369,12 +326,12 @@ def plan_step(
     inbound: InboundQueue | None,
     stats: OffloadStats,
     position: Callable[[], int],
-) -> tuple[int | None, int | None]:
+) -> int | None:
     """Close the planner's previous step (``stats`` describe it) and set the copy queues up for the next one.
 
     Returns:
         The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
-        step) and the watermark of allocated bytes beyond which a measuring step starts offloading.
+        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
     """
     assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
     configured_cap = outbound.configured_inflight_cap
@@ -403,8 +360,8 @@ def plan_step(
         outbound.tail = _KEEP_ALL
         outbound.inflight_cap = min(configured_cap or DEFAULT_MAX_INFLIGHT_BYTES, FRUGAL_CAP)
         inbound.cap = min(outbound.prefetch_cap, FRUGAL_CAP)
-        return None, planner.watermark
+        return None
     outbound.tail = outbound.default_tail
     outbound.inflight_cap = plan.inflight_cap
     inbound.cap = plan.prefetch_cap if plan.prefetch_cap is not None else outbound.prefetch_cap
-    return plan.offload_bytes, None
+    return plan.offload_bytes

@@ -30,8 +30,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, plan_step, planner_for, use_expandable_segments
+from lightning_offload.budget import BudgetPlanner, plan_step, planner_for
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
+from lightning_offload.device_memory import use_expandable_segments
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
@@ -74,8 +75,6 @@ class OffloadEngine:
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
-        self._watermark: int | None = None
-        self._segments_switched = False
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
         self._transfer: Transfer = SyncTransfer()
@@ -106,7 +105,7 @@ class OffloadEngine:
         self._transfer.collect(self._stats, wait=False)  # leftovers of older steps; never a host sync here
         plan_limit = None
         if self.planner is not None:
-            plan_limit, self._watermark = plan_step(
+            plan_limit = plan_step(
                 self.planner, self._transfer, self._outbound, self._inbound, self._stats, lambda: self._log.position
             )
         self._stats = OffloadStats()
@@ -114,7 +113,7 @@ class OffloadEngine:
         self._log.start_step()
         if plan_limit == 0:
             return  # the plan keeps everything: no hooks, no cost
-        if self._watermark is None:  # this step offloads (a measuring step only once it passes its watermark)
+        if self.planner is None or self.planner.watermark is None:  # a measuring step offloads past its watermark
             self._offloading_starts()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
@@ -189,12 +188,10 @@ class OffloadEngine:
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
 
     def _offloading_starts(self) -> None:
-        """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones, once, on
-        CUDA, when copies are about to leave (an engine whose plan keeps everything leaves the allocator alone)."""
-        if not self._segments_switched and self._device is not None:
-            self._segments_switched = True
-            if self.options.mode != "off":
-                use_expandable_segments(self._device)
+        """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones when copies
+        are about to leave (an engine whose plan keeps everything leaves the allocator alone)."""
+        if self.options.mode != "off" and self._device is not None:
+            use_expandable_segments(self._device)
 
     def replan(self) -> None:
         """Measure a step again before planning (call it when the input's shape changes)."""
@@ -238,10 +235,8 @@ class OffloadEngine:
             log.forward_open = True
             outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
-        if self._watermark is not None and self.planner.memory.allocated() > self._watermark:  # type: ignore[union-attr]
-            # The measuring step nears the budget: everything saved so far and from now on leaves.
-            self._watermark, self.planner.tripped = None, True  # type: ignore[union-attr]
-            outbound.tail = 0
+        if self.planner is not None and self.planner.passed_watermark():
+            outbound.tail = 0  # the measuring step nears the budget: everything saved so far and from now on leaves
             self._offloading_starts()
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)
