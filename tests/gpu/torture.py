@@ -115,7 +115,14 @@ def inplace_cases(ctx: Ctx) -> list[Outcome]:
                 loss.register_hook(lambda g, a=a: (a.mul_(2), g)[1])
             try:
                 loss.backward()
-                seen = "exact gradient" if torch.equal(x.grad, expected) else "WRONG gradient, no error"
+                if torch.equal(x.grad, expected):
+                    seen = "exact gradient"
+                else:
+                    diff = (x.grad - expected).abs()
+                    seen = (
+                        f"WRONG gradient, no error (max |diff| {diff.max().item():.3g} over {int((diff > 0).sum())} of "
+                        f"{diff.numel()} elements, max |expected| {expected.abs().max().item():.3g})"
+                    )
             except RuntimeError as err:
                 seen = "autograd's in-place error" if "modified by an inplace operation" in str(err) else repr(err)
             ok = seen in ("exact gradient", "autograd's in-place error")
