@@ -90,6 +90,24 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------- cases
 
 
+def reference_gradient(x: torch.Tensor, double: bool) -> torch.Tensor:
+    """The gradient of ``(2a or a) * exp(a)``, ``a = sigmoid(x)``, without offloading, computed until two runs agree.
+
+    Right after other tests in the same process, the CPU's first ``exp`` once differed from every later one by up to
+    2e-4 over exactly the first half of the tensor (one thread's chunk; seen in about one full test run in five):
+    a reference from that call made a correct offloaded gradient look wrong.
+    """
+    previous = None
+    for _ in range(3):
+        a = x.sigmoid()
+        ((2 * a if double else a) * a.exp()).sum().backward()
+        grad, x.grad = x.grad.clone(), None
+        if previous is not None and torch.equal(grad, previous):
+            return grad
+        previous = grad
+    raise AssertionError("the reference gradient differs from run to run: the comparison would mean nothing")
+
+
 def inplace_cases(ctx: Ctx) -> list[Outcome]:
     n = 8192 if ctx.cuda else 256
     out = []
@@ -97,11 +115,7 @@ def inplace_cases(ctx: Ctx) -> list[Outcome]:
         for phase in ("during forward", "right after the block", "after backward started"):
             torch.manual_seed(0)
             x = torch.randn(n, n, device=ctx.device, requires_grad=True)
-            a = x.sigmoid()
-            b = a.exp()
-            ((2 * a if phase == "during forward" else a) * b).sum().backward()
-            expected = x.grad.clone()
-            x.grad = None
+            expected = reference_gradient(x, double=phase == "during forward")
             engine = ctx.engine(mode=mode)
             with engine:
                 a = x.sigmoid()
@@ -118,10 +132,12 @@ def inplace_cases(ctx: Ctx) -> list[Outcome]:
                 if torch.equal(x.grad, expected):
                     seen = "exact gradient"
                 else:
-                    diff = (x.grad - expected).abs()
+                    diff = (x.grad - expected).abs().flatten()
+                    where = diff.nonzero().flatten()
                     seen = (
-                        f"WRONG gradient, no error (max |diff| {diff.max().item():.3g} over {int((diff > 0).sum())} of "
-                        f"{diff.numel()} elements, max |expected| {expected.abs().max().item():.3g})"
+                        f"WRONG gradient, no error (max |diff| {diff.max().item():.3g} over {where.numel()} of "
+                        f"{diff.numel()} elements, indices {where[0].item()}..{where[-1].item()}, max |expected| "
+                        f"{expected.abs().max().item():.3g})"
                     )
             except RuntimeError as err:
                 seen = "autograd's in-place error" if "modified by an inplace operation" in str(err) else repr(err)
