@@ -262,12 +262,16 @@ class OffloadModel:
         relief = min(nbytes, int(self.hidden_out)) - self._fetched_at_peak(nbytes)
         return OffloadChoice(nbytes, relief, self._way_back_ms(nbytes), None)
 
-    def throttled(self, nbytes: int, cap: int) -> OffloadChoice:
-        relief = nbytes - min(nbytes, cap) - self._fetched_at_peak(nbytes)
+    def throttled(self, nbytes: int, cap: int, prefetch: int | None = None) -> OffloadChoice:
+        """``prefetch``: a bound on bytes fetched ahead below the configured one (``None``: the configured one)."""
+        relief = nbytes - min(nbytes, cap) - self._fetched_at_peak(nbytes, prefetch)
         # Forward saves the offloaded bytes in its first nbytes/eligible share; the link must keep within the cap.
         saving_ms = self.p.forward_ms * nbytes / max(1, self.eligible)
         waiting_ms = max(0.0, (nbytes - cap) / self.link - saving_ms)
-        return OffloadChoice(nbytes, relief, waiting_ms + self._way_back_ms(nbytes), cap)
+        back_ms = self._way_back_ms(nbytes)
+        if prefetch is not None:  # with little fetched ahead, most of the way back waits for the link
+            back_ms = max(back_ms, nbytes / self.link - self.backward_ms / 2)
+        return OffloadChoice(nbytes, relief, waiting_ms + back_ms, cap, prefetch)
 
     def cheapest(self, excess: int, movable: int) -> OffloadChoice | None:
         """The cheapest way to lower the peak by ``excess`` bytes offloading at most ``movable``; ``None``: none
@@ -285,14 +289,7 @@ class OffloadModel:
 
     def most_frugal(self, movable: int) -> OffloadChoice:
         """Everything movable leaves, with little in flight either way: the least peak, whatever it costs."""
-        cap = min(self.p.inflight_cap, FRUGAL_CAP)
-        prefetch = min(self.p.prefetch_bytes, FRUGAL_CAP)
-        relief = movable - min(movable, cap) - self._fetched_at_peak(movable, prefetch)
-        saving_ms = self.p.forward_ms * movable / max(1, self.eligible)
-        waiting_ms = max(0.0, (movable - cap) / self.link - saving_ms)
-        # With little fetched ahead, most of the way back waits for the link.
-        back_ms = max(self._way_back_ms(movable), movable / self.link - self.backward_ms / 2)
-        return OffloadChoice(movable, relief, waiting_ms + back_ms, cap, prefetch)
+        return self.throttled(movable, min(self.p.inflight_cap, FRUGAL_CAP), min(self.p.prefetch_bytes, FRUGAL_CAP))
 
 
 def plan_for_budget(profile: StepProfile, budget: int) -> Plan:

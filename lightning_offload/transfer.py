@@ -66,10 +66,10 @@ class SyncTransfer:
 
 
 @dataclass
-class TimedForward:
-    """One forward being timed: its begin and end on the compute stream, and the waits for copies in between.
+class TimedPass:
+    """One forward or backward being timed: its begin and end on the compute stream, and its waits for copies.
 
-    A wait for a copy that is not done yet stalls compute; subtracting those stalls gives forward's own compute time,
+    A wait for a copy that is not done yet stalls compute; subtracting those stalls gives the pass's own compute time,
     which is what a plan's cost depends on (a measuring step that offloads everything is mostly such stalls).
     """
 
@@ -81,12 +81,26 @@ class TimedForward:
     def stalled_ms(self, first: int = 0, last: int | None = None) -> float:
         return sum(begin.elapsed_time(end) for begin, end in self.waits[first:last])
 
+    def finished(self) -> bool:
+        """Whether the pass ended and its end event is done (its timing can be read without waiting)."""
+        return self.end is not None and self.end.query()
+
+    def compute_ms(self) -> float:
+        assert self.end is not None
+        return max(0.0, self.begin.elapsed_time(self.end) - self.stalled_ms())
+
+    def wait(self, streams: StreamBackend, stream: Any, event: Event) -> None:
+        """``stream`` waits for ``event``; the time it waits counts as a stall of this pass."""
+        begin = streams.record(stream, timing=True)
+        streams.wait_event(stream, event)
+        self.waits.append((begin, streams.record(stream, timing=True)))
+
 
 @dataclass(frozen=True)
 class Mark:
     """A point of a timed forward (see :meth:`StreamedTransfer.mark`)."""
 
-    forward: TimedForward | None  # None: before the forward's first saved tensor (no wait for a copy yet)
+    forward: TimedPass | None  # None: before the forward's first saved tensor (no wait for a copy yet)
     event: Event
     waits: int  # the forward's waits before this point
 
@@ -113,10 +127,10 @@ class StreamedTransfer:
         self._stall = TimingEvents(streams)
         self._d2h_timer = TimingEvents(streams)
         self._h2d_timer = TimingEvents(streams)
-        self._forward: TimedForward | None = None  # an ended forward whose timing was not read yet
-        self._open: TimedForward | None = None  # the forward being timed now
+        self._forward: TimedPass | None = None  # an ended forward whose timing was not read yet
+        self._open: TimedPass | None = None  # the forward being timed now
         self.last_backward_ms = 0.0
-        self._backward: TimedForward | None = None  # a backward being timed, or ended and not read yet
+        self._backward: TimedPass | None = None  # a backward being timed, or ended and not read yet
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -160,28 +174,26 @@ class StreamedTransfer:
             return
         with trace_range("offload::stall"):
             end = self._stall.start(consumer)
-            timed = self._backward if self._backward is not None and self._backward.end is None else None
-            begin = streams.record(consumer, timing=True) if timed is not None else None
-            streams.wait_event(consumer, done)
+            timed = self._backward
+            if timed is not None and timed.end is None:
+                timed.wait(streams, consumer, done)
+            else:
+                streams.wait_event(consumer, done)
             end(consumer)
-            if timed is not None and begin is not None:
-                timed.waits.append((begin, streams.record(consumer, timing=True)))
 
     def wait(self, event: Event) -> None:
         """Order everything the compute stream runs from now on after ``event`` (a device-side wait)."""
         streams, consumer, timed = self.streams, self.streams.current(), self._open
         if timed is None or event.query():
             streams.wait_event(consumer, event)
-            return
-        begin = streams.record(consumer, timing=True)
-        streams.wait_event(consumer, event)
-        timed.waits.append((begin, streams.record(consumer, timing=True)))
+        else:
+            timed.wait(streams, consumer, event)
 
     def forward_started(self) -> None:
         self._read_forward_timing()
         self.link.forward_started()
         if self._forward is None:  # otherwise an earlier forward's timing is still running: measure a later one
-            self._open = TimedForward(self.streams.record(self.streams.current(), timing=True))
+            self._open = TimedPass(self.streams.record(self.streams.current(), timing=True))
 
     def forward_ended(self, saved_bytes: int) -> None:
         """Mark forward's end; its timing is read (without waiting) at a later forward."""
@@ -194,7 +206,7 @@ class StreamedTransfer:
         """Backward of a forward that saved ``saved_bytes`` begins: time it (unless one is being timed)."""
         self._read_backward_timing()
         if self._backward is None and saved_bytes:
-            self._backward = TimedForward(self.streams.record(self.streams.current(), timing=True), saved=saved_bytes)
+            self._backward = TimedPass(self.streams.record(self.streams.current(), timing=True), saved=saved_bytes)
 
     def backward_ended(self) -> None:
         """Backward is done (autograd's final callback); its timing is read (without waiting) later."""
@@ -204,10 +216,10 @@ class StreamedTransfer:
 
     def _read_backward_timing(self) -> None:
         timed = self._backward
-        if timed is None or timed.end is None or not timed.end.query():
+        if timed is None or not timed.finished():
             return
         self._backward = None
-        self.last_backward_ms = max(0.0, timed.begin.elapsed_time(timed.end) - timed.stalled_ms())
+        self.last_backward_ms = timed.compute_ms()
         self.link.observe_backward(timed.saved, self.last_backward_ms, self.link_rate)
 
     def backward_ms(self) -> float:
@@ -245,11 +257,11 @@ class StreamedTransfer:
 
     def _read_forward_timing(self) -> None:
         timed = self._forward
-        if timed is None or timed.end is None or not timed.end.query():
+        if timed is None or not timed.finished():
             return
         self._forward = None
-        self.last_forward_ms = timed.begin.elapsed_time(timed.end)
-        self.last_compute_ms = max(0.0, self.last_forward_ms - timed.stalled_ms())
+        self.last_forward_ms = timed.begin.elapsed_time(timed.end)  # type: ignore[arg-type]
+        self.last_compute_ms = timed.compute_ms()
         # Compute's pace, not one slowed by waits for earlier copies: a forward that waited would otherwise teach
         # the model that copies finish early, place the next waits earlier still, and wait more (measured on an
         # H200: 16 GiB of 8B LoRA's forward hide behind its 420 ms, yet forward waited 130 ms).
