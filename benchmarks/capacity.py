@@ -153,6 +153,7 @@ class CapacityWorker:
                     model=self.bench.module,
                 )
                 context = lambda: engine  # noqa: E731
+                stack.callback(engine.close)  # the planner's checkpointing must not reach the next mode
             else:
                 context = contextlib.nullcontext
             yield context, engine
@@ -168,8 +169,9 @@ class CapacityWorker:
         if engine is not None:
             # A new sequence length: the memory-budget planner must measure it (the callback does this by itself when
             # the input's shape changes; the context manager is told). Without it, probes after the first ran on the
-            # plan of a shorter sequence (results before 2026-12-01 second session: ours-budget 4096 tokens).
-            engine.replan()
+            # plan of a shorter sequence (results before 2026-12-01 second session: ours-budget 4096 tokens). Two
+            # measuring steps: each probe's optimizer is new, and allocates its state in its first step.
+            engine.replan(measuring_steps=2)
         allocated_before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         ids = torch.randint(0, self.workload.vocab, (1, seq), generator=self.generator).to(self.device)
         params = [p for _, p in self.bench.trainable()]
@@ -198,7 +200,8 @@ class CapacityWorker:
         _free(self.device)
         result = search.Probe(seq, fits, wall_s=time.perf_counter() - started, note=note)
         if fits:
-            result.step_s = statistics.median(times[1:] or times)
+            # After the first step (allocations, warm-up); ours: after its two measuring steps, the plan's own.
+            result.step_s = statistics.median(times[2 if engine is not None else 1 :] or times)
             if self.cuda:
                 result.peak_bytes = float(torch.cuda.max_memory_reserved(self.device))
                 result.peak_alloc_bytes = float(torch.cuda.max_memory_allocated(self.device))

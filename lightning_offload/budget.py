@@ -108,6 +108,8 @@ class BudgetPlanner:
         self._block_times: list[Any] = []  # timing marks: before the first block, after each block
         self._handles: list[Any] = []
         self._base = 0
+        self._measured_checkpointed: list[str] = []  # blocks the measuring step ran checkpointed
+        self._forward_peak = 0  # the measuring step's peak when its backward began
 
     @property
     def measuring(self) -> bool:
@@ -121,14 +123,38 @@ class BudgetPlanner:
         self.watermark, self.tripped = None, True
         return True
 
+    def out_of_memory(self) -> str:
+        """Why a step ran out of memory under this budget, in numbers (the step that raised did not finish)."""
+        if self._measuring:
+            what = "a measuring step, the most frugal step there is" if self.tripped else "the first measuring step"
+            if self._measured_checkpointed:
+                what += f" ({len(self._measured_checkpointed)} of {len(self._blocks)} blocks checkpointed"
+                what += ", every activation offloaded)" if self.tripped else ")"
+        else:
+            what = f"a planned step ({self.plan.describe(self.budget)})" if self.plan is not None else "a step"
+        return (
+            f"memory_budget={self.budget / GiB:.2f} GiB: out of memory in {what}. Weights, gradients and optimizer "
+            f"state took {self._base / GiB:.2f} GiB as it began; its peak before the failure was "
+            f"{self.memory.peak() / GiB:.2f} GiB. If this is a hard limit, the model does not train at this input "
+            "size within it: a shorter sequence or a smaller batch, or a budget above that peak"
+        )
+
+    def backward_started(self) -> None:
+        """Note forward's peak (the loss's transient included) as backward begins."""
+        if self._measuring:
+            self._forward_peak = self.memory.peak()
+
     def backward_finished(self) -> None:
         """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
         self._backward_peak = max(self._backward_peak, self.memory.peak())
 
-    def replan(self) -> None:
-        """Measure again at the next step (the input's shape changed, or the model did)."""
+    def replan(self, measuring_steps: int = 1) -> None:
+        """Measure again at the next ``measuring_steps`` steps (the input's shape changed, or the model did; 2 when
+        the optimizer is new too: it allocates its state in its first step)."""
+        if measuring_steps < 1:
+            raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
         self.profile = None
-        self._measure_left = max(self._measure_left, 1)
+        self._measure_left = max(self._measure_left, measuring_steps)
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
@@ -140,8 +166,21 @@ class BudgetPlanner:
             self._apply_checkpointing(self.plan.checkpoint_blocks)
             return self.plan
         self._measuring = True
-        self._apply_checkpointing(0)
+        # A frugal measuring step (below) also checkpoints every block but the first: the least the step can hold
+        # (at long sequences, offloading every block's activations would pin more host memory than the machine has),
+        # and the first block, run in full, says what a block saves when it is not checkpointed.
+        frugal = self.tripped and len(self._blocks) > 1
+        self._apply_checkpointing(len(self._blocks) - 1 if frugal else 0)
+        self._measured_checkpointed = list(self._checkpointed)
+        self._forward_peak = 0
         self._base = self.memory.allocated()
+        if self._base >= self.budget and self.profile is None:
+            _log.warning(
+                "memory_budget=%.2f GiB: %.2f GiB are allocated before the step begins (weights, gradients, optimizer "
+                "state): no plan can keep the step within the budget",
+                self.budget / GiB,
+                self._base / GiB,
+            )
         # A step that passed its watermark peaked there, before its activations left, so what its peak holds besides
         # activations is unknown (on an H200, Llama-8B LoRA's "fixed" part read 35 GiB for a true ~27). The next
         # measuring step offloads from its first saved tensor: its peak is then the step's own (weights, optimizer
@@ -174,25 +213,8 @@ class BudgetPlanner:
             self._measure_left -= 1
             self.watermark = None
             self._unwatch_blocks()
-            blocks = [m for m in self._marks.values() if m[1] > m[0]]
-            block_bytes = sum(m[1] - m[0] for m in blocks) // len(blocks) if blocks else 0
-            input_bytes = sum(m[2] for m in blocks) // len(blocks) if blocks else 0
-            self.profile = StepProfile(
-                peak=peak,
-                # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
-                # cap lagged behind: count no activation as kept (what was still in flight at the peak then counts
-                # as fixed, which errs on the side of memory by at most that cap).
-                resident=0 if self.tripped else max(0, eligible - offloaded),
-                eligible=eligible,
-                forward_ms=forward_ms,
-                link_bytes_per_ms=link_bytes_per_ms,
-                blocks=len(blocks) if block_bytes > input_bytes else 0,
-                block_bytes=block_bytes,
-                block_input_bytes=input_bytes,
-                block_share=min(1.0, self._blocks_ms() / forward_ms) if forward_ms > 0 else 0.0,
-                backward_ms=backward_ms,
-                **extra,
-            )
+            self.profile = self._measured_profile(peak, eligible, offloaded, forward_ms, backward_ms, extra)
+            self.profile = dataclasses.replace(self.profile, link_bytes_per_ms=link_bytes_per_ms)
             if self._measure_left <= 0:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
@@ -219,6 +241,49 @@ class BudgetPlanner:
                 changed = True
             if changed:
                 self._choose()
+
+    def _measured_profile(
+        self, peak: int, eligible: int, offloaded: int, forward_ms: float, backward_ms: float, extra: dict
+    ) -> StepProfile:
+        """What the measuring step says about a step that checkpoints nothing.
+
+        Blocks it ran checkpointed saved only their inputs and recomputed their forward in backward: what they would
+        save in full is the blocks run in full (the first) on average, and their recompute is taken off backward's
+        time and off the peak (a peak in backward, above forward's, held one recomputed block).
+        """
+        names = {id(module): name for name, module in self._blocks}
+        cut = set(self._measured_checkpointed)
+        full = [m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]]
+        cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
+        block_bytes = sum(m[1] - m[0] for m in full) // len(full) if full else 0
+        input_bytes = sum(m[2] for m in full) // len(full) if full else 0
+        if cut_marks:  # what a checkpointed block saves, measured
+            input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
+        count = len(full) + len(cut_marks)
+        blocks_ms = self._blocks_ms() or forward_ms
+        if cut_marks and block_bytes > input_bytes:
+            eligible += len(cut_marks) * (block_bytes - input_bytes)
+            # Recompute is forward's compute again, one block each; keep at least forward's pace (a LoRA backward is
+            # barely slower than its forward).
+            backward_ms = max(forward_ms, backward_ms - len(cut_marks) * blocks_ms / count) if backward_ms else 0.0
+            if self._forward_peak and peak > self._forward_peak:
+                peak = max(self._forward_peak, peak - block_bytes)
+        return StepProfile(
+            peak=peak,
+            # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
+            # cap lagged behind: count no activation as kept (what was still in flight at the peak then counts
+            # as fixed, which errs on the side of memory by at most that cap).
+            resident=0 if self.tripped else max(0, eligible - offloaded),
+            eligible=eligible,
+            forward_ms=forward_ms,
+            link_bytes_per_ms=0.0,
+            blocks=count if block_bytes > input_bytes else 0,
+            block_bytes=block_bytes,
+            block_input_bytes=input_bytes,
+            block_share=min(1.0, self._blocks_ms() / forward_ms) if forward_ms > 0 else 0.0,
+            backward_ms=backward_ms,
+            **extra,
+        )
 
     def _choose(self) -> None:
         assert self.profile is not None

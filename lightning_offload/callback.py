@@ -256,7 +256,7 @@ class ActivationOffloadCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._leave_model(pl_module)  # Lightning calls no teardown hook after an exception
         if self._engine is not None:
-            self._engine.reset()
+            self._engine.failed(exception)
         if self._picture is not None:
             self._picture.close()
         self._reporter.discard()

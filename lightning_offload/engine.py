@@ -22,6 +22,7 @@ Torch only: no Lightning import, so plain training loops can use it as a context
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from typing import Any
@@ -42,6 +43,7 @@ from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
 from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer, producer_stream
 
+_log = logging.getLogger("lightning_offload")
 
 class OffloadEngine:
     """Offloads saved activations while installed; rebuilds them in backward, also after the block is left.
@@ -141,10 +143,17 @@ class OffloadEngine:
         self.install()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object) -> None:
         self.uninstall()
         if exc_type is not None:
-            self.reset()
+            self.failed(exc)
+
+    def failed(self, exc: BaseException | None) -> None:
+        """The step raised ``exc``: drop what it held (:meth:`reset`); an out-of-memory error under a memory budget
+        is explained in numbers (a warning)."""
+        self.reset()
+        if isinstance(exc, torch.cuda.OutOfMemoryError) and self.planner is not None:
+            _log.warning(self.planner.out_of_memory())
 
     def refresh_parameters(self, tensors: Any = None) -> None:
         """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``)."""
@@ -193,10 +202,11 @@ class OffloadEngine:
         if self.options.mode != "off" and self._device is not None:
             use_expandable_segments(self._device)
 
-    def replan(self) -> None:
-        """Measure a step again before planning (call it when the input's shape changes)."""
+    def replan(self, measuring_steps: int = 1) -> None:
+        """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when
+        the optimizer is new too (it allocates its state in its first step)."""
         if self.planner is not None:
-            self.planner.replan()
+            self.planner.replan(measuring_steps)
 
     @property
     def stats(self) -> OffloadStats:
@@ -271,6 +281,8 @@ class OffloadEngine:
         self._transfer.forward_ended(saved)
         if policy.backward_running():  # the first unpack: backward has started; time it, and note its peak
             self._transfer.backward_started(saved)
+            if self.planner is not None:
+                self.planner.backward_started()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self._inbound.add_forward(offloaded)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_offload import OffloadOptions, offload_activations
 from lightning_offload.budget import BudgetPlanner, default_budget
-from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.streams import SimulatedStreams
 from tests.models import assert_same_grads
@@ -26,25 +26,30 @@ BLOCK_MS = 2.0
 class Block(nn.Module):
     """Takes ``BLOCK_MS`` of simulated compute."""
 
-    def __init__(self, sim: SimulatedStreams | None) -> None:
+    def __init__(self, sim: SimulatedStreams | None, backward_ms: float = 0.0) -> None:
         super().__init__()
         self.up = nn.Linear(WIDTH, 2 * WIDTH)
         self.down = nn.Linear(2 * WIDTH, WIDTH)
         self.sim = sim
+        self.backward_ms = backward_ms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sim is not None:
-            self.sim.advance(BLOCK_MS)
-        return x + self.down(torch.tanh(self.up(x)))
+        sim = self.sim
+        if sim is not None:
+            sim.advance(BLOCK_MS)
+        out = x + self.down(torch.tanh(self.up(x)))
+        if sim is not None and self.backward_ms and out.requires_grad:
+            out.register_hook(lambda grad: sim.advance(self.backward_ms))  # backward's compute for this block
+        return out
 
 
 class Stack(nn.Module):
     """Repeated blocks (the planner may checkpoint them) and 1 ms of simulated compute for the loss."""
 
-    def __init__(self, sim: SimulatedStreams | None = None) -> None:
+    def __init__(self, sim: SimulatedStreams | None = None, backward_ms: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(sim) for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(Block(sim, backward_ms) for _ in range(BLOCKS))
         self.sim = sim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,11 +139,15 @@ def run_steps(engine: OffloadEngine, model: nn.Module, x: torch.Tensor, steps: i
     return out
 
 
-def activation_bytes(x: torch.Tensor) -> int:
-    """The eligible bytes one step of ``Stack`` saves (measured with an engine that only counts)."""
+def activation_bytes(x: torch.Tensor, frugal: bool = False) -> int:
+    """The eligible bytes one step of ``Stack`` saves (measured with an engine that only counts); ``frugal``: with
+    every block but the first checkpointed, as a frugal measuring step runs."""
+    model = Stack()
+    if frugal:
+        apply_checkpointing(model, [f"blocks.{i}" for i in range(1, BLOCKS)])
     engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
     with engine:
-        loss = Stack()(x)
+        loss = model(x)
     loss.backward()
     return engine.stats.eligible_bytes
 
@@ -209,13 +218,14 @@ def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -
 
 def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -> None:
     """A budget below the weights' share trips the watermark at the first saved tensor: the measuring steps offload
-    everything over a slow link and forward waits for those copies most of the time. The profile keeps forward's and
-    a block's compute time only, so copies do not look hidden behind a forward they slowed down, and the plan
-    checkpoints blocks (2 ms each) rather than offloading (each byte costs far more than compute can hide)."""
+    everything over a slow link and forward waits for those copies most of the time. The profile keeps forward's,
+    a block's and backward's compute time only (backward less the recompute of the blocks the measuring step
+    checkpointed), so copies do not look hidden behind a forward they slowed down, and the plan checkpoints blocks
+    (2 ms each) rather than offloading (each byte costs far more than compute can hide)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
     sim = SimulatedStreams(lag=None, bytes_per_ms=float(16 * KiB))  # copies run when waited for, and take time
-    model = Stack(sim)
+    model = Stack(sim, backward_ms=2 * BLOCK_MS)
     budget = int(act / 0.7)  # the plan keeps about half the activations on the device
     memory = FakeMemory(base=int(0.6 * budget), transient=0)  # above the watermark (half the budget) from the start
     engine = planned_engine(budget, memory, model, sim)
@@ -224,7 +234,7 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
         start = sim.clock_ms
         steps = run_steps(engine, model, x, 1)
         clock.append(sim.clock_ms - start)
-        assert steps[0]["offloaded"] == act  # the watermark tripped at once: everything left
+        assert steps[0]["offloaded"] == activation_bytes(x, frugal=True)  # tripped at once: everything left
     run_steps(engine, model, x, 1)  # plans from the two measuring steps
     profile, plan = engine.planner.profile, engine.planner.plan  # type: ignore[union-attr]
     assert profile is not None and plan is not None
@@ -232,6 +242,9 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
     assert min(clock) > 3 * compute  # the measuring steps mostly waited for copies
     assert (BLOCKS - 1) * BLOCK_MS <= profile.forward_ms <= compute
     assert profile.block_share * profile.forward_ms / BLOCKS == pytest.approx(BLOCK_MS, rel=0.1)
+    # Backward ran 8 blocks' backward (4 ms each) and 7 recomputes (2 ms each): the profile keeps the former.
+    assert profile.backward_ms == pytest.approx(BLOCKS * 2 * BLOCK_MS, rel=0.1)
+    assert profile.eligible == act  # as if nothing were checkpointed
     assert plan.fits and plan.checkpoint_blocks > 0
 
 
@@ -269,8 +282,28 @@ def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCap
     with caplog.at_level(logging.INFO, logger="lightning_offload"):
         run_steps(engine, model, torch.randn(BATCH, WIDTH), 3)
     text = caplog.text
+    assert "memory_budget=0.50 GiB: 1.00 GiB are allocated before the step begins" in text  # said before any step
     assert "does NOT fit" in text and "Even the most frugal plan needs" in text
     assert "weights, gradients and optimizer state take 1.00 GiB" in text
+
+
+def test_running_out_of_memory_under_a_budget_is_explained_in_numbers(caplog: pytest.LogCaptureFixture) -> None:
+    """An out-of-memory error inside the engine's context (forward) under a budget: the engine drops what the step
+    held and says which step failed, what it held as it began and its peak; the error itself propagates."""
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=0)
+    engine = planned_engine(2 * GiB, memory, model, sim)
+    with caplog.at_level(logging.WARNING, logger="lightning_offload"), pytest.raises(torch.cuda.OutOfMemoryError):
+        with engine:
+            model(torch.randn(BATCH, WIDTH))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not engine.installed
+    assert (
+        "memory_budget=2.00 GiB: out of memory in a measuring step, the most frugal step there is (7 of 8 blocks "
+        "checkpointed, every activation offloaded). Weights, gradients and optimizer state took 1.00 GiB as it began"
+    ) in caplog.text
+    assert run_steps(engine, model, torch.randn(BATCH, WIDTH), 1)[0]["hooked"]  # the next step measures again
 
 
 def test_replan_measures_again() -> None:
@@ -282,12 +315,17 @@ def test_replan_measures_again() -> None:
     assert [s["hooked"] for s in run_steps(engine, model, x, 3)] == [True, True, False]
     engine.replan()  # the optimizer's state exists by now: one measuring step is enough
     assert [s["hooked"] for s in run_steps(engine, model, torch.randn(2 * BATCH, WIDTH), 2)] == [True, False]
+    engine.replan(measuring_steps=2)  # a new optimizer too
+    assert [s["hooked"] for s in run_steps(engine, model, x, 3)] == [True, True, False]
+    with pytest.raises(ValueError, match=r"replan\(measuring_steps=0\): expected an int >= 1"):
+        engine.replan(measuring_steps=0)
 
 
 def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_watermark() -> None:
     """With ``memory_budget="auto"`` the first step keeps everything until allocated memory passes the budget less a
     tenth; from there on everything saved so far and after leaves: free where the model fits, safe where it does not.
-    The next measuring step offloads from its first saved tensor (the first one's peak was its watermark's)."""
+    The next measuring step is frugal (the first one's peak was its watermark's): every block but the first
+    checkpointed, everything offloaded from the first saved tensor."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
     total = 100 * GiB
@@ -305,25 +343,33 @@ def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_water
             assert first["offloaded"] == act
             assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
             seen.clear()
-            assert run_steps(engine, model, x, 1)[0]["offloaded"] == act
+            assert run_steps(engine, model, x, 1)[0]["offloaded"] == activation_bytes(x, frugal=True)
             assert max(seen) < watermark  # it tripped below the watermark of the first step
         else:
             assert first["offloaded"] == 0
             assert max(seen) <= watermark
 
 
-def test_under_a_users_budget_the_measuring_steps_offload_everything() -> None:
+def test_under_a_users_budget_the_measuring_steps_checkpoint_all_blocks_but_one_and_offload_everything() -> None:
     """A budget the user gives may be a hard cap, and what the loss and backward add is not known yet: both measuring
-    steps offload from the first saved tensor (the most frugal step), then the plan takes over."""
+    steps are the most frugal step there is (every block but the first checkpointed, everything offloaded from the
+    first saved tensor), then the plan takes over. The profile still describes the model without checkpointing."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
+    act, frugal = activation_bytes(x), activation_bytes(x, frugal=True)
+    assert frugal < act
     sim = SimulatedStreams(lag=0)
     model = Stack(sim)
     memory = FakeMemory(base=GiB, transient=0)
     engine = planned_engine(3 * GiB, memory, model, sim)
-    steps = run_steps(engine, model, x, 3)
-    assert [s["offloaded"] for s in steps] == [act, act, 0]
-    assert [s["hooked"] for s in steps] == [True, True, False]
+    seen = []  # per step: blocks it ran checkpointed, bytes it offloaded
+    for _ in range(3):
+        offloaded = run_steps(engine, model, x, 1)[0]["offloaded"]
+        seen.append((checkpointed_modules(model), offloaded))
+    frugal_blocks = [f"blocks.{i}" for i in range(1, BLOCKS)]
+    assert seen == [(frugal_blocks, frugal), (frugal_blocks, frugal), ([], 0)]  # then the plan keeps everything
+    profile = engine.planner.profile  # type: ignore[union-attr]
+    assert profile is not None and profile.eligible == act and profile.blocks == BLOCKS
+    assert profile.block_bytes - profile.block_input_bytes == (act - frugal) // (BLOCKS - 1)
 
 
 def test_default_budget_leaves_a_margin() -> None:
