@@ -246,7 +246,10 @@ class OffloadEngine:
             outbound.start_forward(outbound.planned_limit)
             self._transfer.forward_started()
         if self.planner is not None and self.planner.passed_watermark():
-            outbound.tail = 0  # the measuring step nears the budget: everything saved so far and from now on leaves
+            # The measuring step nears the budget: everything saved so far and from now on leaves, but the tail (the
+            # loss's tensors, needed first in backward: their round trip buys no room; on an H200 a small model's
+            # frugal step with the tail offloaded ran out of memory allocating 500 MiB, its logits' size).
+            outbound.tail = outbound.default_tail
             self._offloading_starts()
         ref = StorageWeakRef(tensor.untyped_storage())
         copy = log.find(ref.cdata, start, end, tensor._version)

@@ -214,3 +214,31 @@ def test_inplace_change_while_the_copy_is_in_flight_raises() -> None:
     a.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_copies_come_back_before_their_planned_start_into_what_backward_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planned starts lag (here: each copy is planned to start only where backward needs it), but backward has
+    freed more kept activations than the offloaded copies take: they all come back at once, ahead of need, into that
+    room (the peak does not move), and the gradients are unchanged."""
+    monkeypatch.setattr("lightning_offload.inbound.plan_prefetch", lambda ends, sizes, lead: list(ends))
+    size = 1024 * 64 * 4  # one saved activation
+    model = Chain(n=8, width=64)
+    x = torch.randn(1024, 64)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    sim = SimulatedStreams(lag=None)  # copies run when waited for: fetched-ahead bytes queue up
+    options = OffloadOptions.create(
+        "test", mode="streamed", compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0,
+        max_offload_bytes=4 * size, prefetch_bytes=size,
+    )  # fmt: skip
+    engine = OffloadEngine(options, model=model, streams=sim)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            loss = model(x)
+        sim.synchronize()
+        loss.backward()
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
+    stats = engine.stats
+    assert stats.offloaded_bytes == 4 * size and stats.fetched_on_demand_bytes == 0
+    assert sim.max_queued_bytes["h2d"] == 4 * size  # every copy on its way back at once
