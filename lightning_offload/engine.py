@@ -45,6 +45,7 @@ from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer,
 
 _log = logging.getLogger("lightning_offload")
 
+
 class OffloadEngine:
     """Offloads saved activations while installed; rebuilds them in backward, also after the block is left.
 
