@@ -199,6 +199,10 @@ class CapacityWorker:
         del ids
         _free(self.device)
         result = search.Probe(seq, fits, wall_s=time.perf_counter() - started, note=note)
+        planner = getattr(engine, "planner", None)
+        if planner is not None and planner.plan is not None and planner.profile is not None:
+            # Chosen from this length's measuring steps (the profile is dropped at every new length).
+            result.plan = asdict(planner.plan)
         if fits:
             # After the first step (allocations, warm-up); ours: after its two measuring steps, the plan's own.
             result.step_s = statistics.median(times[2 if engine is not None else 1 :] or times)

@@ -39,6 +39,7 @@ class Probe:
         step_s: median time of the steps after the first (``None`` without a fit).
         wall_s: seconds the probe took, set-up and failure included.
         note: why it did not fit, or anything else worth keeping.
+        plan: what a memory-budget planner chose at this length (``None``: no planner, or no plan yet).
     """
 
     seq: int
@@ -48,6 +49,7 @@ class Probe:
     step_s: float | None = None
     wall_s: float = 0.0
     note: str = ""
+    plan: dict[str, Any] | None = None
 
 
 @dataclass
