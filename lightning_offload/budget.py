@@ -30,7 +30,7 @@ from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.schedule import FRUGAL_CAP, Plan, StepProfile, plan_for_budget
+from lightning_offload.schedule import Plan, StepProfile, frugal_cap, plan_for_budget
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
 
@@ -423,8 +423,9 @@ def plan_step(
         # Measuring: keep everything, unless memory passes the watermark; from there on the step must be frugal (the
         # model may not fit), so copies barely run ahead of compute either way.
         outbound.tail = _KEEP_ALL
-        outbound.inflight_cap = min(configured_cap or DEFAULT_MAX_INFLIGHT_BYTES, FRUGAL_CAP)
-        inbound.cap = min(outbound.prefetch_cap, FRUGAL_CAP)
+        frugal = frugal_cap(planner.budget)
+        outbound.inflight_cap = min(configured_cap or DEFAULT_MAX_INFLIGHT_BYTES, frugal)
+        inbound.cap = min(outbound.prefetch_cap, frugal)
         return None
     outbound.tail = outbound.default_tail
     outbound.inflight_cap = plan.inflight_cap

@@ -133,8 +133,16 @@ def plan_prefetch(
 # The share of forward (and of backward) behind which copies are assumed to hide: the rest of a transfer shows as step
 # time. Below 1 because copies share memory bandwidth and start only once tensors exist.
 HIDDEN_SHARE = 0.8
-# The in-flight and prefetch bounds of the most frugal plan (copies then barely overlap compute).
+# The in-flight and prefetch bounds of the most frugal plan (copies then barely overlap compute), at most this share
+# of the budget: a small model's budget (on an H200, small-h512's 2 GiB, where checkpointing alone peaks at 1.84 GiB)
+# has no room for 2 x 256 MiB of copies on their way.
 FRUGAL_CAP = 256 << 20
+FRUGAL_SHARE = 1 / 32
+
+
+def frugal_cap(budget: int) -> int:
+    """The in-flight and the prefetch bound of the most frugal step under ``budget`` bytes."""
+    return max(1 << 20, min(FRUGAL_CAP, int(budget * FRUGAL_SHARE)))
 
 
 @dataclass(frozen=True)
@@ -242,9 +250,10 @@ class OffloadModel:
     ahead of need may be on the device at the peak (up to ``prefetch_bytes``).
     """
 
-    def __init__(self, profile: StepProfile, eligible: int) -> None:
+    def __init__(self, profile: StepProfile, eligible: int, frugal: int = FRUGAL_CAP) -> None:
         self.p = profile
         self.eligible = eligible
+        self.frugal = frugal  # the in-flight and prefetch bound of the most frugal offload
         self.link = max(profile.link_bytes_per_ms, 1e-9)
         self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
@@ -289,7 +298,7 @@ class OffloadModel:
 
     def most_frugal(self, movable: int) -> OffloadChoice:
         """Everything movable leaves, with little in flight either way: the least peak, whatever it costs."""
-        return self.throttled(movable, min(self.p.inflight_cap, FRUGAL_CAP), min(self.p.prefetch_bytes, FRUGAL_CAP))
+        return self.throttled(movable, min(self.p.inflight_cap, self.frugal), min(self.p.prefetch_bytes, self.frugal))
 
 
 def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
@@ -315,7 +324,7 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
         if excess <= 0:
             candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))
             continue
-        model = OffloadModel(profile, eligible)
+        model = OffloadModel(profile, eligible, frugal_cap(budget))
         movable = max(0, eligible - profile.tail)
         choice = model.cheapest(excess, movable)
         if choice is None:

@@ -92,7 +92,7 @@ def test_a_plan_pace_replaces_what_the_link_model_learnt_and_stops_learning() ->
 
 # ---------------------------------------------------------------------------------------------- the memory budget
 
-from lightning_offload.schedule import HIDDEN_SHARE, OffloadModel, StepProfile, plan_for_budget  # noqa: E402
+from lightning_offload.schedule import HIDDEN_SHARE, OffloadModel, StepProfile, frugal_cap, plan_for_budget  # noqa: E402
 
 
 def profile(**changes: float) -> StepProfile:
@@ -163,6 +163,14 @@ def test_an_impossible_budget_returns_the_most_frugal_plan_marked_as_not_fitting
     assert (plan.inflight_cap, plan.prefetch_cap) == (256 * MiB, 256 * MiB)  # little in flight either way
     assert plan.peak > 19 * GiB
     assert "does NOT fit" in plan.describe(19 * GiB)
+
+
+def test_the_most_frugal_plans_bounds_shrink_with_a_small_budget() -> None:
+    """Copies on their way count at the peak: under a budget of a few GiB the most frugal plan keeps at most 1/32 of
+    it in flight and as much fetched ahead (not the 256 MiB each of a large budget)."""
+    assert (frugal_cap(64 * GiB), frugal_cap(2 * GiB), frugal_cap(1 << 20)) == (256 * MiB, 64 * MiB, 1 << 20)
+    plan = plan_for_budget(profile(), budget=1 * GiB)
+    assert not plan.fits and (plan.inflight_cap, plan.prefetch_cap) == (32 * MiB, 32 * MiB)
 
 
 def test_a_user_fixed_inflight_bound_is_kept_by_every_plan() -> None:
