@@ -30,7 +30,14 @@ from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.schedule import Plan, StepProfile, frugal_cap, plan_for_budget
+from lightning_offload.schedule import (
+    Plan,
+    StepProfile,
+    fit_link_share,
+    frugal_cap,
+    offload_cost_ms,
+    plan_for_budget,
+)
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
 
@@ -55,6 +62,10 @@ _KEEP_ALL = 1 << 62
 # without offloading (and without pinning host memory). Llama-8B LoRA at 8k tokens reaches 98 GiB of a 131 GiB
 # budget in forward: a quarter made it trip, and a step that tripped late plans far too much offloading.
 _AUTO_RESERVE_SHARE = 0.10
+# A planned step's waits for copies count as a misprediction beyond this much (the larger of the two): copies and
+# compute share memory bandwidth, and single steps vary.
+_WAIT_NOISE_MS = 10.0
+_WAIT_NOISE_SHARE = 0.05
 
 
 def default_budget(total: int) -> int:
@@ -108,6 +119,10 @@ class BudgetPlanner:
         self._block_times: list[Any] = []  # timing marks: before the first block, after each block
         self._handles: list[Any] = []
         self._base = 0
+        self.step = 0  # steps begun
+        self._link_share = 1.0  # what planned steps taught (see waited_for_copies)
+        self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
+        self._plan_since: int | None = None  # the first step that ran the current plan
         self._measured_checkpointed: list[str] = []  # blocks the measuring step ran checkpointed
         self._forward_peak = 0  # the measuring step's peak when its backward began
 
@@ -162,8 +177,11 @@ class BudgetPlanner:
             self.memory.reset_peak()
         self._stepping = True
         self._backward_peak = 0
+        self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._apply_checkpointing(self.plan.checkpoint_blocks)
+            if self._plan_since is None:
+                self._plan_since = self.step
             return self.plan
         self._measuring = True
         # A frugal measuring step (below) also checkpoints every block but the first: the least the step can hold
@@ -282,8 +300,46 @@ class BudgetPlanner:
             block_input_bytes=input_bytes,
             block_share=min(1.0, self._blocks_ms() / forward_ms) if forward_ms > 0 else 0.0,
             backward_ms=backward_ms,
+            link_share=self._link_share,
             **extra,
         )
+
+    def pinned_host_memory(self, step: int) -> None:
+        """Step ``step`` pinned new host buffers (0.4 s per GiB on an H200): its waits for copies say nothing about
+        the link."""
+        self._pinning_steps.add(step)
+        if len(self._pinning_steps) > 64:
+            self._pinning_steps = set(sorted(self._pinning_steps)[-32:])
+
+    def waited_for_copies(self, step: int, waited_ms: float) -> None:
+        """Step ``step`` waited ``waited_ms`` for copies (forward and backward). Where it ran the current plan and
+        waited clearly longer than that plan's offloading was predicted to cost, copies beside compute get less of
+        the link than measured alone: lower the link's share in the model to what explains the wait, and plan again
+        (only ever lower, so plans move towards checkpointing and never back and forth)."""
+        plan, profile = self.plan, self.profile
+        if plan is None or profile is None or self._plan_since is None or step < self._plan_since:
+            return
+        if step in self._pinning_steps:
+            return  # it pinned host buffers, which delays the copies behind them: not the link's pace
+        if not plan.offload_bytes or self._measuring:
+            return
+        predicted = offload_cost_ms(profile, plan)
+        noise = max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))
+        if waited_ms <= predicted + noise:
+            return
+        share = fit_link_share(profile, plan, waited_ms)
+        if share < profile.link_share - 0.01:
+            _log.info(
+                "memory_budget: a planned step waited %.1f ms for copies (predicted %.1f ms): copies get %.0f%% of "
+                "the link beside compute, not %.0f%%; planning again",
+                waited_ms,
+                predicted,
+                100 * share,
+                100 * profile.link_share,
+            )
+            self._link_share = share  # kept for later measurements (a new input shape): a property of the machine
+            self.profile = dataclasses.replace(profile, link_share=share)
+            self._choose()
 
     def _choose(self) -> None:
         assert self.profile is not None
@@ -293,6 +349,7 @@ class BudgetPlanner:
         changed = plan != self.plan
         self.plan = plan
         if changed:
+            self._plan_since = None
             text = f"memory_budget={self.budget / GiB:.2f} GiB: {plan.describe(self.budget)}"
             if not plan.fits:
                 fixed = self.profile.peak - self.profile.resident
@@ -412,7 +469,12 @@ def plan_step(
         extra = {}
         forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
     planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, forward_ms, transfer.link_rate, extra, backward_ms)
+    if stats.host_allocations:
+        planner.pinned_host_memory(planner.step)
+    if transfer.last_stalls is not None:
+        planner.waited_for_copies(*transfer.last_stalls)
     plan = planner.begin_step(position)
+    transfer.step = planner.step
     profile = planner.profile
     if plan is not None and profile is not None:
         # The link model runs on the profile's paces (the planner's own, corrected by faster later steps).

@@ -108,6 +108,7 @@ class OffloadEngine:
         self._transfer.collect(self._stats, wait=False)  # leftovers of older steps; never a host sync here
         plan_limit = None
         if self.planner is not None:
+            self._stats.host_allocations = self._pool.allocations - self._allocations_at_start
             plan_limit = plan_step(
                 self.planner, self._transfer, self._outbound, self._inbound, self._stats, lambda: self._log.position
             )

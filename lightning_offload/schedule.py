@@ -18,7 +18,7 @@ device-side wait (free when the copy is done). These positions are what the mode
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Wait a little later than the model says: a wait that comes too early stalls compute, one too late only holds
 # memory a moment longer.
@@ -165,6 +165,8 @@ class StepProfile:
         prefetch_bytes: the most bytes fetched back ahead of need while backward has freed nothing yet.
         inflight_cap: bytes whose copies out may lag behind forward when forward must wait for its copies.
         inflight_fixed: the user fixed ``inflight_cap`` (``max_inflight_bytes``): every plan uses it.
+        link_share: the share of the link's bandwidth that copies get beside compute; lowered by planned steps that
+            waited for copies longer than the model said (:func:`fit_link_share`).
     """
 
     peak: int
@@ -181,6 +183,7 @@ class StepProfile:
     prefetch_bytes: int = 0
     inflight_cap: int = 512 << 20
     inflight_fixed: bool = False
+    link_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ class OffloadModel:
         self.p = profile
         self.eligible = eligible
         self.frugal = frugal  # the in-flight and prefetch bound of the most frugal offload
-        self.link = max(profile.link_bytes_per_ms, 1e-9)
+        self.link = max(profile.link_bytes_per_ms * profile.link_share, 1e-9)
         self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
 
@@ -314,10 +317,9 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     """
     fixed = profile.peak - profile.resident
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
-    saved_per_block = max(0, profile.block_bytes - profile.block_input_bytes)
     candidates = []
     for k in range(profile.blocks + 1):
-        eligible = max(0, profile.eligible - k * saved_per_block)
+        eligible = _eligible(profile, k)
         # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
         kept_peak = fixed + eligible + (profile.block_bytes if k else 0)
         excess = kept_peak - budget
@@ -339,3 +341,37 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     # cannot rank the frugal plans reliably (its fixed part can hold backward's gradients, which never coexist with
     # forward's activations), and checkpointing moves far fewer bytes: on an H200 it held less than offloading alone.
     return candidates[-1]
+
+
+def _eligible(profile: StepProfile, checkpointed: int) -> int:
+    """Eligible bytes one forward saves with the last ``checkpointed`` blocks checkpointed."""
+    return max(0, profile.eligible - checkpointed * max(0, profile.block_bytes - profile.block_input_bytes))
+
+
+def offload_cost_ms(profile: StepProfile, plan: Plan) -> float:
+    """What ``plan``'s offloading costs per step by the model of ``profile`` (its recompute not included)."""
+    if not plan.offload_bytes:
+        return 0.0
+    model = OffloadModel(profile, _eligible(profile, plan.checkpoint_blocks))
+    if plan.inflight_cap is None:
+        return model.unbounded(plan.offload_bytes).cost_ms
+    return model.throttled(plan.offload_bytes, plan.inflight_cap, plan.prefetch_cap).cost_ms
+
+
+def fit_link_share(profile: StepProfile, plan: Plan, observed_ms: float) -> float:
+    """The largest link share (at most the profile's) at which ``plan``'s offloading costs at least ``observed_ms``,
+    the time a step on that plan waited for copies: the model then predicts what was measured."""
+    low, high = _LEAST_LINK_SHARE, profile.link_share
+    if offload_cost_ms(replace(profile, link_share=high), plan) >= observed_ms:
+        return high
+    for _ in range(30):  # the cost falls as the share grows: bisect for the largest share still costing enough
+        middle = (low + high) / 2
+        if offload_cost_ms(replace(profile, link_share=middle), plan) >= observed_ms:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# Copies never get less than this share of the link in the model, whatever a step waited (a host stall, say).
+_LEAST_LINK_SHARE = 0.01

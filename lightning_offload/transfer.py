@@ -77,6 +77,7 @@ class TimedPass:
     waits: list[tuple[Event, Event]] = field(default_factory=list)
     end: Event | None = None
     saved: int = 0
+    step: int = 0  # the step it belongs to (:attr:`StreamedTransfer.step`)
 
     def stalled_ms(self, first: int = 0, last: int | None = None) -> float:
         return sum(begin.elapsed_time(end) for begin, end in self.waits[first:last])
@@ -113,6 +114,10 @@ class StreamedTransfer:
         last_forward_ms: device time of the latest timed forward.
         last_compute_ms: the same less the time compute waited for copies in it.
         last_backward_ms: compute time of the latest timed backward (waits for copies excluded; 0: none timed).
+        last_stalls: the step of the latest timed forward and backward, when both belong to one step, and the time
+            compute waited for copies in them (``None``: not known yet).
+        step: a number for the steps that start from now on (the memory-budget planner counts its steps); timings
+            carry it, so a timing read late is not taken for a later step's.
     """
 
     overlapped = True
@@ -131,6 +136,9 @@ class StreamedTransfer:
         self._open: TimedPass | None = None  # the forward being timed now
         self.last_backward_ms = 0.0
         self._backward: TimedPass | None = None  # a backward being timed, or ended and not read yet
+        self.step = 0
+        self._forward_stall: tuple[int, float] | None = None  # (step, ms) of the latest forward read
+        self.last_stalls: tuple[int, float] | None = None
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -193,7 +201,7 @@ class StreamedTransfer:
         self._read_forward_timing()
         self.link.forward_started()
         if self._forward is None:  # otherwise an earlier forward's timing is still running: measure a later one
-            self._open = TimedPass(self.streams.record(self.streams.current(), timing=True))
+            self._open = TimedPass(self.streams.record(self.streams.current(), timing=True), step=self.step)
 
     def forward_ended(self, saved_bytes: int) -> None:
         """Mark forward's end; its timing is read (without waiting) at a later forward."""
@@ -206,7 +214,9 @@ class StreamedTransfer:
         """Backward of a forward that saved ``saved_bytes`` begins: time it (unless one is being timed)."""
         self._read_backward_timing()
         if self._backward is None and saved_bytes:
-            self._backward = TimedPass(self.streams.record(self.streams.current(), timing=True), saved=saved_bytes)
+            self._backward = TimedPass(
+                self.streams.record(self.streams.current(), timing=True), saved=saved_bytes, step=self.step
+            )
 
     def backward_ended(self) -> None:
         """Backward is done (autograd's final callback); its timing is read (without waiting) later."""
@@ -220,6 +230,9 @@ class StreamedTransfer:
             return
         self._backward = None
         self.last_backward_ms = timed.compute_ms()
+        forward = self._forward_stall
+        if forward is not None and forward[0] == timed.step:
+            self.last_stalls = (timed.step, forward[1] + timed.stalled_ms())
         self.link.observe_backward(timed.saved, self.last_backward_ms, self.link_rate)
 
     def backward_ms(self) -> float:
@@ -262,6 +275,7 @@ class StreamedTransfer:
         self._forward = None
         self.last_forward_ms = timed.begin.elapsed_time(timed.end)  # type: ignore[arg-type]
         self.last_compute_ms = timed.compute_ms()
+        self._forward_stall = (timed.step, self.last_forward_ms - self.last_compute_ms)
         # Compute's pace, not one slowed by waits for earlier copies: a forward that waited would otherwise teach
         # the model that copies finish early, place the next waits earlier still, and wait more (measured on an
         # H200: 16 GiB of 8B LoRA's forward hide behind its 420 ms, yet forward waited 130 ms).

@@ -248,6 +248,34 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
     assert plan.fits and plan.checkpoint_blocks > 0
 
 
+def test_planned_steps_that_wait_for_copies_longer_than_predicted_shift_the_plan(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The link turns out far slower than measured (say, another process shares it): planned steps wait for their
+    copies much longer than the plan predicted. The planner lowers the link's share in its model to what explains the
+    waits and plans again: less offloading, more checkpointing, the same gradients."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=None, bytes_per_ms=float(512 * KiB))  # the link the measuring steps see
+    model = Stack(sim, backward_ms=2 * BLOCK_MS)
+    memory = FakeMemory(base=0, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    engine = planned_engine(act * 2, memory, model, sim)
+    run_steps(engine, model, x, 3)
+    first = engine.planner.plan  # type: ignore[union-attr]
+    assert first is not None and first.offload_bytes > 0 and first.checkpoint_blocks == 0
+    sim.bytes_per_ms = float(32 * KiB)  # 16x slower from now on
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        steps = run_steps(engine, model, x, 4)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    assert planner.profile.link_share < 0.5
+    assert "waited" in caplog.text and "planning again" in caplog.text
+    assert planner.plan.checkpoint_blocks > 0 and planner.plan.offload_bytes < first.offload_bytes
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
+
+
 def test_later_steps_correct_the_model_only_towards_memory() -> None:
     """Later steps measure their peak again: a heavier step (here a larger loss transient) makes the plan offload
     more and brings the peak back under the budget; a lighter step never relaxes it (under a hard cap the next step
