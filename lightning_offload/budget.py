@@ -2,15 +2,17 @@
 
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
 each counts what forward saves block by block and times forward's and backward's compute (waits for copies
-excluded). Under a budget the user gave, they offload everything from the first saved tensor: the most frugal step
-there is, and its peak is the step's own (weights, optimizer state, the loss's transient). Under the device's own
+excluded). Under a budget the user gave, they checkpoint every repeated block but the first and offload everything
+from the first saved tensor: the most frugal step there is, and its peak is the step's own (weights, optimizer state,
+the loss's transient); the profile is extrapolated to no checkpointing from the first block. Under the device's own
 budget they keep everything unless memory passes a watermark, so a model that fits is measured at no cost. Two,
 because the optimizer allocates its state in the first step. From that profile
 :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
 the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
 nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
 relaxed on a lighter step can pass a hard cap on the next); a step whose compute ran faster than measured corrects
-the timing.
+the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model
+(also only one way: towards checkpointing).
 
 Torch only: no Lightning import.
 """

@@ -25,10 +25,11 @@ METRIC_DOCS = """\
         ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
         copies in the latest batch, in milliseconds.
         ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
-        ``offload/memory_budget_gib``: (with a memory budget, once planned) the budget, in GiB.
-        ``offload/plan_offload_gib``: the bytes of each forward the plan offloads, in GiB.
-        ``offload/plan_checkpoint_blocks``: how many blocks the plan checkpoints.
-        ``offload/plan_peak_gib``: the peak the plan predicts, in GiB.
+        ``offload/memory_budget_gib``: (with a memory budget) the budget, in GiB.
+        ``offload/plan_offload_gib``: the bytes of each forward the batch's plan offloads, in GiB; NaN for a batch
+        that measures instead (the first two, and the first after the input's shape changes).
+        ``offload/plan_checkpoint_blocks``: how many blocks the batch's plan checkpoints (NaN: it measured).
+        ``offload/plan_peak_gib``: the peak the batch's plan predicts, in GiB (NaN: it measured).
 
     Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
         ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
@@ -110,12 +111,15 @@ class StepReporter:
             metrics["offload/d2h_gbps"] = stats.d2h_gbps()
             metrics["offload/h2d_gbps"] = stats.h2d_gbps()
         planner = engine.planner
-        if planner is not None and planner.plan is not None:
-            plan = planner.plan
+        if planner is not None:
             metrics["offload/memory_budget_gib"] = planner.budget / GiB
-            metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB
-            metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks)
-            metrics["offload/plan_peak_gib"] = plan.peak / GiB
+            # A measuring batch ran no plan (the one held may be an earlier input shape's). Its keys are logged as NaN
+            # rather than left out: Lightning would log a key's last value again at a step that did not log it.
+            plan = planner.plan if not planner.measuring else None
+            nan = float("nan")
+            metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB if plan is not None else nan
+            metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks) if plan is not None else nan
+            metrics["offload/plan_peak_gib"] = plan.peak / GiB if plan is not None else nan
         shown = "offload/peak_allocated_gib" if cuda is not None else "offload/offloaded_gib"
         # Without a logger the values still reach ``trainer.callback_metrics`` and the progress bar; asking for the
         # logger anyway would make Lightning warn once per key.

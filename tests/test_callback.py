@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
+import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.host_pool import pool_for
@@ -708,6 +709,44 @@ def metrics_rows(root: Path) -> list[dict[str, str]]:
     (path,) = root.rglob("metrics.csv")
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+class ConstantMemory:
+    """Allocator counters of a device whose memory never moves: lets the memory-budget planner run on the CPU."""
+
+    def total(self) -> int:
+        return 64 << 30
+
+    def allocated(self) -> int:
+        return 1 << 30
+
+    def peak(self) -> int:
+        return 1 << 30
+
+    def reset_peak(self) -> None:
+        pass
+
+
+def test_plan_keys_are_logged_only_for_batches_that_ran_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a memory budget the first two batches measure, and so does the batch after the input's shape changes:
+    they ran no plan, so their ``plan_*`` keys are NaN (left out, Lightning logs a key's last value again: the
+    previous shape's plan would name a batch that did not run it)."""
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+        return planner_for(options, device, transfer, model, ConstantMemory())
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+    callback = offload_callback(memory_budget="8GiB")
+    data = batches(3) + batches(2, shape=(2 * BATCH, WIDTH))
+    fit(tmp_path, LitNet(offload=callback), data, [callback], max_steps=5)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert len(rows) == 5
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
+    assert [row["offload/plan_checkpoint_blocks"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]
+    assert {row["offload/memory_budget_gib"] for row in rows} == {"8.0"}
 
 
 def test_logged_metrics_respect_log_every_n_steps(tmp_path: Path) -> None:
