@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
 from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
+from lightning_offload.planned_blocks import PlannedBlocks
 from lightning_offload.schedule import (
     Plan,
     StepProfile,
@@ -105,9 +105,7 @@ class BudgetPlanner:
         self.profile: StepProfile | None = None
         self.watermark: int | None = None  # measuring step: offload everything once allocated passes this
         self.on_plan: Callable[[str], None] | None = None  # told each new plan, in words
-        self._model = model
-        self._blocks = _blocks_of(model)
-        self._checkpointed: list[str] = []
+        self._blocks = PlannedBlocks(model, clock)
         self._measuring = False
         self._measure_left = _MEASURED_STEPS  # steps still to measure before the first plan
         # The measuring step passed its watermark and began offloading. A budget the user gives is often a hard limit
@@ -116,16 +114,11 @@ class BudgetPlanner:
         self.tripped = budget is not None
         self._stepping = False
         self._backward_peak = 0
-        self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
-        self._clock = clock
-        self._block_times: list[Any] = []  # timing marks: before the first block, after each block
-        self._handles: list[Any] = []
         self._base = 0
         self.step = 0  # steps begun
         self._link_share = 1.0  # what planned steps taught (see waited_for_copies)
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
         self._plan_since: int | None = None  # the first step that ran the current plan
-        self._measured_checkpointed: list[str] = []  # blocks the measuring step ran checkpointed
         self._forward_peak = 0  # the measuring step's peak when its backward began
 
     @property
@@ -144,8 +137,8 @@ class BudgetPlanner:
         """Why a step ran out of memory under this budget, in numbers (the step that raised did not finish)."""
         if self._measuring:
             what = "a measuring step, the most frugal step there is" if self.tripped else "the first measuring step"
-            if self._measured_checkpointed:
-                what += f" ({len(self._measured_checkpointed)} of {len(self._blocks)} blocks checkpointed"
+            if self._blocks.checkpointed:
+                what += f" ({len(self._blocks.checkpointed)} of {len(self._blocks)} blocks checkpointed"
                 what += ", every activation offloaded)" if self.tripped else ")"
         else:
             what = f"a planned step ({self.plan.describe(self.budget)})" if self.plan is not None else "a step"
@@ -181,7 +174,7 @@ class BudgetPlanner:
         self._backward_peak = 0
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
-            self._apply_checkpointing(self.plan.checkpoint_blocks)
+            self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
             if self._plan_since is None:
                 self._plan_since = self.step
             return self.plan
@@ -190,8 +183,7 @@ class BudgetPlanner:
         # (at long sequences, offloading every block's activations would pin more host memory than the machine has),
         # and the first block, run in full, says what a block saves when it is not checkpointed.
         frugal = self.tripped and len(self._blocks) > 1
-        self._apply_checkpointing(len(self._blocks) - 1 if frugal else 0)
-        self._measured_checkpointed = list(self._checkpointed)
+        self._blocks.checkpoint_last(len(self._blocks) - 1 if frugal else 0)
         self._forward_peak = 0
         self._base = self.memory.allocated()
         if self._base >= self.budget and self.profile is None:
@@ -207,9 +199,7 @@ class BudgetPlanner:
         # state, the loss's transient, little in flight), and it is the most frugal step there is.
         self.watermark = 0 if self.tripped else self.budget - self._reserve
         self.tripped = False
-        self._marks = {}
-        self._block_times = []
-        self._watch_blocks(position)
+        self._blocks.watch(position)
         return None
 
     def end_step(
@@ -232,7 +222,7 @@ class BudgetPlanner:
             self._measuring = False
             self._measure_left -= 1
             self.watermark = None
-            self._unwatch_blocks()
+            self._blocks.unwatch()
             self.profile = self._measured_profile(peak, eligible, offloaded, forward_ms, backward_ms, extra)
             self.profile = dataclasses.replace(self.profile, link_bytes_per_ms=link_bytes_per_ms)
             if self._measure_left <= 0:
@@ -271,21 +261,15 @@ class BudgetPlanner:
         save in full is the blocks run in full (the first) on average, and their recompute is taken off backward's
         time and off the peak (a peak in backward, above forward's, held one recomputed block).
         """
-        names = {id(module): name for name, module in self._blocks}
-        cut = set(self._measured_checkpointed)
-        full = [m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]]
-        cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
-        block_bytes = sum(m[1] - m[0] for m in full) // len(full) if full else 0
-        input_bytes = sum(m[2] for m in full) // len(full) if full else 0
-        if cut_marks:  # what a checkpointed block saves, measured
-            input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
-        count = len(full) + len(cut_marks)
-        blocks_ms = self._blocks_ms() or forward_ms
-        if cut_marks and block_bytes > input_bytes:
-            eligible += len(cut_marks) * (block_bytes - input_bytes)
+        sizes = self._blocks.sizes()
+        block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
+        blocks_ms = self._blocks.compute_ms()
+        if sizes.checkpointed and block_bytes > input_bytes:
+            eligible += sizes.checkpointed * (block_bytes - input_bytes)
             # Recompute is forward's compute again, one block each; keep at least forward's pace (a LoRA backward is
             # barely slower than its forward).
-            backward_ms = max(forward_ms, backward_ms - len(cut_marks) * blocks_ms / count) if backward_ms else 0.0
+            per_block_ms = (blocks_ms or forward_ms) / sizes.count
+            backward_ms = max(forward_ms, backward_ms - sizes.checkpointed * per_block_ms) if backward_ms else 0.0
             if self._forward_peak and peak > self._forward_peak:
                 peak = max(self._forward_peak, peak - block_bytes)
         return StepProfile(
@@ -297,10 +281,10 @@ class BudgetPlanner:
             eligible=eligible,
             forward_ms=forward_ms,
             link_bytes_per_ms=0.0,
-            blocks=count if block_bytes > input_bytes else 0,
+            blocks=sizes.count if block_bytes > input_bytes else 0,
             block_bytes=block_bytes,
             block_input_bytes=input_bytes,
-            block_share=min(1.0, self._blocks_ms() / forward_ms) if forward_ms > 0 else 0.0,
+            block_share=min(1.0, blocks_ms / forward_ms) if forward_ms > 0 else 0.0,
             backward_ms=backward_ms,
             link_share=self._link_share,
             **extra,
@@ -364,71 +348,9 @@ class BudgetPlanner:
             if self.on_plan is not None:
                 self.on_plan(text)
 
-    # ------------------------------------------------------------------ blocks
-
-    def _apply_checkpointing(self, count: int) -> None:
-        model = self._model
-        if model is None or not self._blocks:
-            return
-        wanted = [name for name, _ in self._blocks[len(self._blocks) - count :]] if count else []
-        if wanted == self._checkpointed:
-            return
-        remove_checkpointing(model, [n for n in self._checkpointed if n not in wanted])
-        if wanted:
-            apply_checkpointing(model, wanted)
-        self._checkpointed = wanted
-
     def remove(self) -> None:
         """Leave the model as it was: drop this planner's checkpointing and hooks."""
-        self._unwatch_blocks()
-        if self._model is not None and self._checkpointed:
-            remove_checkpointing(self._model, self._checkpointed)
-        self._checkpointed = []
-
-    def _blocks_ms(self) -> float:
-        """Compute time of the blocks in the measuring step's forward (0: not timed)."""
-        times = [t for t in self._block_times if t is not None]
-        if self._clock is None or len(times) < 2 or len(times) != len(self._block_times):
-            return 0.0
-        return self._clock.compute_ms_between(times[0], times[-1])
-
-    def _watch_blocks(self, position: Callable[[], int]) -> None:
-        marks, times, clock = self._marks, self._block_times, self._clock
-
-        def before(module: nn.Module, args: Any) -> None:
-            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            nbytes = first.numel() * first.element_size() if first is not None else 0
-            if clock is not None and not marks:
-                times.append(clock.mark())
-            marks.setdefault(id(module), (position(), 0, nbytes))
-
-        def after(module: nn.Module, args: Any, output: Any) -> None:
-            start, end, nbytes = marks.get(id(module), (0, 0, 0))
-            if end == 0:
-                marks[id(module)] = (start, position(), nbytes)
-                if clock is not None:
-                    times.append(clock.mark())
-
-        for _, block in self._blocks:
-            self._handles.append(block.register_forward_pre_hook(before))
-            self._handles.append(block.register_forward_hook(after))
-
-    def _unwatch_blocks(self) -> None:
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
-
-
-def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks, by qualified name, in order (none when it has no such list)."""
-    if model is None:
-        return []
-    try:
-        _, blocks = find_repeated_blocks(model)
-    except ValueError:
-        return []
-    names = {id(m): n for n, m in model.named_modules()}
-    return [(names[id(b)], b) for b in blocks if id(b) in names]
+        self._blocks.remove()
 
 
 def planner_for(

@@ -1,0 +1,138 @@
+"""The model's repeated blocks as the memory-budget planner sees them: which run checkpointed, and what a measuring
+step learns about them (bytes saved and compute time per block).
+
+Torch only: no Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """What one measuring step's forward saved per block.
+
+    Attributes:
+        count: blocks that ran.
+        checkpointed: how many of them ran checkpointed.
+        block_bytes: eligible bytes a block run in full saves, on average.
+        input_bytes: what a checkpointed block saves instead: measured where blocks ran checkpointed, else the size
+            of a block's first input.
+    """
+
+    count: int
+    checkpointed: int
+    block_bytes: int
+    input_bytes: int
+
+
+class PlannedBlocks:
+    """The repeated blocks of ``model`` (none without a model or such a list): checkpoints the last ones on demand,
+    and watches a measuring step's forward through them.
+
+    Args:
+        model: whose blocks (``find_repeated_blocks``).
+        clock: times the blocks' compute (``mark()`` and ``compute_ms_between()`` of
+            :class:`~lightning_offload.transfer.StreamedTransfer`); ``None``: not timed.
+    """
+
+    def __init__(self, model: nn.Module | None, clock: Any = None) -> None:
+        self._model = model
+        self.blocks = _blocks_of(model)
+        self.checkpointed: list[str] = []
+        self._clock = clock
+        self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
+        self._times: list[Any] = []  # timing marks: before the first block, after each block
+        self._handles: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def checkpoint_last(self, count: int) -> None:
+        """Run the last ``count`` blocks checkpointed (and the others in full)."""
+        model = self._model
+        if model is None or not self.blocks:
+            return
+        wanted = [name for name, _ in self.blocks[len(self.blocks) - count :]] if count else []
+        if wanted == self.checkpointed:
+            return
+        remove_checkpointing(model, [n for n in self.checkpointed if n not in wanted])
+        if wanted:
+            apply_checkpointing(model, wanted)
+        self.checkpointed = wanted
+
+    def remove(self) -> None:
+        """Leave the model as it was: no checkpointing of ours, no hooks."""
+        self.unwatch()
+        if self._model is not None and self.checkpointed:
+            remove_checkpointing(self._model, self.checkpointed)
+        self.checkpointed = []
+
+    def watch(self, position: Callable[[], int]) -> None:
+        """Note, for the next forward, the saved-bytes ``position`` around every block (and time them)."""
+        self.unwatch()
+        marks, times, clock = self._marks, self._times, self._clock
+        marks.clear()
+        times.clear()
+
+        def before(module: nn.Module, args: Any) -> None:
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            nbytes = first.numel() * first.element_size() if first is not None else 0
+            if clock is not None and not marks:
+                times.append(clock.mark())
+            marks.setdefault(id(module), (position(), 0, nbytes))
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            start, end, nbytes = marks.get(id(module), (0, 0, 0))
+            if end == 0:  # not a recompute in backward
+                marks[id(module)] = (start, position(), nbytes)
+                if clock is not None:
+                    times.append(clock.mark())
+
+        for _, block in self.blocks:
+            self._handles.append(block.register_forward_pre_hook(before))
+            self._handles.append(block.register_forward_hook(after))
+
+    def unwatch(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def sizes(self) -> BlockSizes:
+        """What the watched forward saved per block (blocks checkpointed then: :attr:`checkpointed`)."""
+        names = {id(module): name for name, module in self.blocks}
+        cut = set(self.checkpointed)
+        full = [m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]]
+        cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
+        block_bytes = sum(m[1] - m[0] for m in full) // len(full) if full else 0
+        input_bytes = sum(m[2] for m in full) // len(full) if full else 0
+        if cut_marks:
+            input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
+        return BlockSizes(len(full) + len(cut_marks), len(cut_marks), block_bytes, input_bytes)
+
+    def compute_ms(self) -> float:
+        """Compute time of the blocks in the watched forward (0: not timed)."""
+        times = [t for t in self._times if t is not None]
+        if self._clock is None or len(times) < 2 or len(times) != len(self._times):
+            return 0.0
+        return self._clock.compute_ms_between(times[0], times[-1])
+
+
+def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, by qualified name, in order (none when it has no such list)."""
+    if model is None:
+        return []
+    try:
+        _, blocks = find_repeated_blocks(model)
+    except ValueError:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)], b) for b in blocks if id(b) in names]

@@ -1,0 +1,67 @@
+"""The memory-budget planner's view of a model's repeated blocks: which run checkpointed, and what a watched forward
+saved per block."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_offload import offload_activations
+from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.planned_blocks import PlannedBlocks
+
+WIDTH, BATCH = 32, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_checkpoints_the_last_blocks_and_leaves_the_model_as_it_was() -> None:
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    assert len(blocks) == 4
+    blocks.checkpoint_last(3)
+    assert checkpointed_modules(model) == ["blocks.1", "blocks.2", "blocks.3"]
+    blocks.checkpoint_last(1)
+    assert checkpointed_modules(model) == ["blocks.3"]
+    blocks.remove()
+    assert checkpointed_modules(model) == [] and blocks.checkpointed == []
+    assert len(PlannedBlocks(None)) == len(PlannedBlocks(nn.Linear(2, 2))) == 0
+
+
+def test_sizes_of_a_watched_forward_measure_full_and_checkpointed_blocks() -> None:
+    """Block 0 runs in full (its input, and tanh's output four times as wide: 5 widths of floats per row); the
+    others checkpointed save their input only (1 width). A recompute in backward does not count again."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(3)
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    blocks.watch(lambda: engine.collect_stats(wait=False).eligible_bytes)
+    with engine:
+        loss = model(x * 2)  # not a leaf: its bytes count like any other block's input
+    loss.backward()
+    blocks.unwatch()
+    row = BATCH * WIDTH * 4
+    sizes = blocks.sizes()
+    assert (sizes.count, sizes.checkpointed, sizes.block_bytes, sizes.input_bytes) == (4, 3, 5 * row, row)
+    assert blocks.compute_ms() == 0.0  # no clock: not timed
+    blocks.remove()
