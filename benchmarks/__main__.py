@@ -257,24 +257,31 @@ def run_workloads(args: argparse.Namespace, scratch: Path, started: float) -> in
         errors = "; ".join(f"{r['workload']['name']}: {r.get('error', 'no row measured')}" for r in results)
         print(f"nothing measured ({errors}): no report written to {args.out}")
         return 1
-    merged = {
-        "name": args.device_name,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": time.perf_counter() - started,
-        "args": _arguments(args),
-        "results": results,
-        "verdicts": report.verdicts_json(results),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / args.device_name
-    Path(f"{base}.json").write_text(json.dumps(merged, indent=1, default=str))
-    Path(f"{base}.md").write_text(report.markdown(results, args.device_name))
+    contents = {"results": results, "verdicts": report.verdicts_json(results)}
+    base, wall_s = _write_document(args, started, None, contents, report.markdown(results, args.device_name))
     try:
         report.plot(results, f"{base}.png")
     except ImportError as err:  # matplotlib is optional (the ``plot`` extra): the numbers still get written
         print(f"no plot: {err}")
-    print(f"wrote {base}.json, .md, .png in {merged['wall_s']:.0f} s")
+    print(f"wrote {base}.json, .md, .png in {wall_s:.0f} s")
     return 0 if all("error" not in r for r in results) else 1
+
+
+def _write_document(
+    args: argparse.Namespace, started: float, kind: str | None, contents: dict[str, Any], markdown: str
+) -> tuple[Path, float]:
+    """Write ``<out>/<device name>.json`` (the run's arguments and ``contents``) and its ``.md``; returns the base
+    path and the run's wall time."""
+    document: dict[str, Any] = {"name": args.device_name}
+    if kind is not None:
+        document["kind"] = kind
+    wall_s = time.perf_counter() - started
+    document.update(created=time.strftime("%Y-%m-%d %H:%M:%S"), wall_s=wall_s, args=_arguments(args), **contents)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.out / args.device_name
+    Path(f"{base}.json").write_text(json.dumps(document, indent=1, default=str))
+    Path(f"{base}.md").write_text(markdown)
+    return base, wall_s
 
 
 def run_capacity(args: argparse.Namespace, scratch: Path, started: float) -> int:
@@ -297,20 +304,10 @@ def run_capacity(args: argparse.Namespace, scratch: Path, started: float) -> int
         errors = "; ".join(f"{r['model']['name']} @ {r['cap_gib']:g}: {r.get('error', 'no probe')}" for r in results)
         print(f"nothing measured ({errors}): no report written to {args.out}")
         return 1
-    document = {
-        "name": args.device_name,
-        "kind": "capacity",
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": time.perf_counter() - started,
-        "args": _arguments(args),
-        "capacity": results,
-        "verdicts": report.capacity_verdicts_json(results),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / args.device_name
-    Path(f"{base}.json").write_text(json.dumps(document, indent=1, default=str))
-    Path(f"{base}.md").write_text(report.capacity_markdown(results, args.device_name))
-    print(f"wrote {base}.json, .md in {document['wall_s']:.0f} s")
+    contents = {"capacity": results, "verdicts": report.capacity_verdicts_json(results)}
+    markdown = report.capacity_markdown(results, args.device_name)
+    base, wall_s = _write_document(args, started, "capacity", contents, markdown)
+    print(f"wrote {base}.json, .md in {wall_s:.0f} s")
     return 0 if all("error" not in r for r in results) else 1
 
 
