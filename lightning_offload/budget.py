@@ -223,8 +223,9 @@ class BudgetPlanner:
             self._measure_left -= 1
             self.watermark = None
             self._blocks.unwatch()
-            self.profile = self._measured_profile(peak, eligible, offloaded, forward_ms, backward_ms, extra)
-            self.profile = dataclasses.replace(self.profile, link_bytes_per_ms=link_bytes_per_ms)
+            self.profile = self._measured_profile(
+                peak, eligible, offloaded, forward_ms, backward_ms, link_bytes_per_ms, extra
+            )
             if self._measure_left <= 0:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
@@ -253,7 +254,14 @@ class BudgetPlanner:
                 self._choose()
 
     def _measured_profile(
-        self, peak: int, eligible: int, offloaded: int, forward_ms: float, backward_ms: float, extra: dict
+        self,
+        peak: int,
+        eligible: int,
+        offloaded: int,
+        forward_ms: float,
+        backward_ms: float,
+        link_bytes_per_ms: float,
+        extra: dict,
     ) -> StepProfile:
         """What the measuring step says about a step that checkpoints nothing.
 
@@ -280,7 +288,7 @@ class BudgetPlanner:
             resident=0 if self.tripped else max(0, eligible - offloaded),
             eligible=eligible,
             forward_ms=forward_ms,
-            link_bytes_per_ms=0.0,
+            link_bytes_per_ms=link_bytes_per_ms,
             blocks=sizes.count if block_bytes > input_bytes else 0,
             block_bytes=block_bytes,
             block_input_bytes=input_bytes,
@@ -307,7 +315,7 @@ class BudgetPlanner:
             return
         if step in self._pinning_steps:
             return  # it pinned host buffers, which delays the copies behind them: not the link's pace
-        if not plan.offload_bytes or self._measuring:
+        if not plan.offload_bytes:
             return
         predicted = offload_cost_ms(profile, plan)
         noise = max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))

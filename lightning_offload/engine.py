@@ -105,10 +105,9 @@ class OffloadEngine:
         self._end_forward()  # a forward that never got its backward ends here, and counts in its own step
         if self._device is None:
             self._resolve_device()
-        self._transfer.collect(self._stats, wait=False)  # leftovers of older steps; never a host sync here
+        self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
         plan_limit = None
         if self.planner is not None:
-            self._stats.host_allocations = self._pool.allocations - self._allocations_at_start
             plan_limit = plan_step(
                 self.planner, self._transfer, self._outbound, self._inbound, self._stats, lambda: self._log.position
             )

@@ -138,6 +138,8 @@ HIDDEN_SHARE = 0.8
 # has no room for 2 x 256 MiB of copies on their way.
 FRUGAL_CAP = 256 << 20
 FRUGAL_SHARE = 1 / 32
+# Copies never get less than this share of the link in the model, whatever a step waited (a host stall, say).
+_LEAST_LINK_SHARE = 0.01
 
 
 def frugal_cap(budget: int) -> int:
@@ -371,7 +373,3 @@ def fit_link_share(profile: StepProfile, plan: Plan, observed_ms: float) -> floa
         else:
             high = middle
     return low
-
-
-# Copies never get less than this share of the link in the model, whatever a step waited (a host stall, say).
-_LEAST_LINK_SHARE = 0.01
