@@ -317,6 +317,20 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     ``k`` the cheapest offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
+    candidates = plan_candidates(profile, budget)
+    fitting = [p for p in candidates if p.fits]
+    if fitting:
+        return min(fitting, key=lambda p: (p.extra_ms, p.peak))
+    # Nothing fits: every block checkpointed and everything else offloaded, copies barely ahead of compute. The peak
+    # model cannot rank the frugal plans reliably (its fixed part can hold backward's gradients, which never coexist
+    # with forward's activations), and checkpointing moves far fewer bytes: on an H200 it held less than offloading
+    # alone.
+    return candidates[-1]
+
+
+def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
+    """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
+    fits): what :func:`plan_for_budget` chooses from, listed for diagnosis."""
     fixed = profile.peak - profile.resident
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     candidates = []
@@ -336,13 +350,7 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
         peak = kept_peak - max(0, choice.relief)
         cost = k * per_block_ms + choice.cost_ms
         candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
-    fitting = [p for p in candidates if p.fits]
-    if fitting:
-        return min(fitting, key=lambda p: (p.extra_ms, p.peak))
-    # Nothing fits: every block checkpointed and everything offloaded, copies barely ahead of compute. The peak model
-    # cannot rank the frugal plans reliably (its fixed part can hold backward's gradients, which never coexist with
-    # forward's activations), and checkpointing moves far fewer bytes: on an H200 it held less than offloading alone.
-    return candidates[-1]
+    return candidates
 
 
 def _eligible(profile: StepProfile, checkpointed: int) -> int:

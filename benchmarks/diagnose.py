@@ -1,0 +1,174 @@
+"""``python -m benchmarks.diagnose``: one workload under one memory budget, step by step, to see why a plan is slow.
+
+Per step it prints the plan the engine ran, forward's and backward's device time and the part of each spent waiting
+for copies, the step's peak, the pinned host memory and new host buffers; after the first planned step, the
+candidate plans the planner chose from (one per number of checkpointed blocks: predicted peak, cost, whether it
+fits). ``--profile-step N`` also runs step ``N`` under the PyTorch profiler and prints its busiest host calls and
+device kernels. Everything printed is also written as JSON (``--out``).
+
+    python -m benchmarks.diagnose --workload llama8b-lora-s8k --budget-gib 69.6 --steps 8 --profile-step 6
+    python -m benchmarks.diagnose --workload smallvocab-h1024 --seq 45056 --budget-gib 8 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import models
+from benchmarks.workloads import CAPACITY_MODELS, WORKLOADS, tiny
+from lightning_offload import offload_activations
+from lightning_offload.schedule import plan_candidates
+
+GiB = float(1 << 30)
+_ALL = {**WORKLOADS, **CAPACITY_MODELS}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -> dict[str, Any]:
+    """What step ``index`` ran and how long it waited (after a synchronization: every timing is done)."""
+    transfer, planner = engine._transfer, engine.planner
+    record: dict[str, Any] = {"step": index, "wall_s": round(wall_s, 4)}
+    if hasattr(transfer, "forward_ms"):
+        compute = transfer.forward_ms()
+        record["fwd_ms"] = round(transfer.last_forward_ms, 1)
+        record["fwd_wait_ms"] = round(transfer.last_forward_ms - compute, 1)
+        record["bwd_compute_ms"] = round(transfer.backward_ms(), 1)
+        record["stalls"] = transfer.last_stalls
+    stats = engine.stats
+    record.update(
+        offloaded_gib=round(stats.offloaded_bytes / GiB, 2),
+        eligible_gib=round(stats.eligible_bytes / GiB, 2),
+        bwd_stall_ms=round(stats.stall_ms, 1),
+        host_pinned_gib=round(stats.host_pinned_bytes / GiB, 2),
+        host_allocations=stats.host_allocations,
+    )
+    if device.type == "cuda":
+        record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+        record["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 2)
+    if planner is not None:
+        record["measuring"] = planner.measuring
+        if planner.plan is not None:
+            plan = planner.plan
+            record["plan"] = f"ckpt {plan.checkpoint_blocks}, offload {plan.offload_bytes / GiB:.2f} GiB"
+        if planner.profile is not None:
+            record["link_share"] = round(planner.profile.link_share, 3)
+    return record
+
+
+def _candidates(planner: Any) -> list[dict[str, Any]]:
+    budget = planner.budget - int(planner.budget * 0.05)  # what the planner aims for (its plan margin)
+    return [
+        {
+            "ckpt": c.checkpoint_blocks,
+            "offload_gib": round(c.offload_bytes / GiB, 2),
+            "peak_gib": round(c.peak / GiB, 2),
+            "cost_ms": round(c.extra_ms, 1),
+            "fits": c.fits,
+            "inflight_cap": c.inflight_cap,
+        }
+        for c in plan_candidates(planner.profile, budget)
+    ]
+
+
+def _profile_summary(prof: Any) -> dict[str, list[str]]:
+    averages = prof.key_averages()
+    by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+    by_device = sorted(averages, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:15]
+    return {
+        "host": [f"{e.key[:60]:60s} {e.count:6d} calls {e.self_cpu_time_total / 1e3:9.1f} ms" for e in by_cpu],
+        "device": [
+            f"{e.key[:60]:60s} {e.count:6d} calls {getattr(e, 'self_device_time_total', 0) / 1e3:9.1f} ms"
+            for e in by_device
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", required=True, choices=sorted(_ALL))
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the workload's)")
+    parser.add_argument("--budget-gib", type=float, required=True, help="memory_budget, also set as a hard cap")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--profile-step", type=int, default=None, help="run this step under the PyTorch profiler")
+    parser.add_argument("--tiny", action="store_true", help="shrink the model (a CPU run of the tool itself)")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON file to write")
+    args = parser.parse_args(argv)
+
+    workload = _ALL[args.workload]
+    workload = replace(workload, seq=args.seq) if args.seq else workload
+    workload = tiny(workload) if args.tiny else workload
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    budget = int(args.budget_gib * GiB)
+    if cuda:  # before the weights: the cap bounds the whole process, as in the capacity benchmark
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    torch.manual_seed(0)
+    bench = models.build(workload, device)
+    ids = torch.randint(0, workload.vocab, (workload.batch, workload.seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    params = [p for _, p in bench.trainable()]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, **({"fused": True} if cuda else {}))
+    engine = offload_activations(
+        memory_budget=budget, model=bench.module, measure_copies=cuda, compute_device=None if cuda else "cpu"
+    )
+    result: dict[str, Any] = {"workload": workload.as_dict(), "budget_gib": args.budget_gib, "steps": []}
+    try:
+        for index in range(args.steps):
+            profiler = None
+            if index == args.profile_step and cuda:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                profiler = torch.profiler.profile(activities=activities)
+                profiler.__enter__()
+            _sync(device)
+            start = time.perf_counter()
+            with engine:
+                loss = bench.loss(ids)
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            wall = time.perf_counter() - start
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                result["profile"] = _profile_summary(profiler)
+            record = _step_record(engine, index, wall, device)
+            result["steps"].append(record)
+            print(json.dumps(record), flush=True)
+            planner = engine.planner
+            if planner is not None and planner.profile is not None and "candidates" not in result:
+                if not planner.measuring and planner.plan is not None:
+                    result["profile_measured"] = dataclasses.asdict(planner.profile)
+                    result["candidates"] = _candidates(planner)
+    except torch.cuda.OutOfMemoryError as err:
+        result["oom"] = str(err)[:400]
+        print("OOM:", str(err)[:400])
+    finally:
+        engine.close()
+    if "profile_measured" in result:
+        print("profile:", json.dumps(result["profile_measured"]))
+        for candidate in result["candidates"]:
+            print("  candidate", json.dumps(candidate))
+    for key, lines in result.get("profile", {}).items():
+        print(f"== busiest {key} entries")
+        print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,20 @@
+"""``python -m benchmarks.diagnose`` on the CPU: the tool runs a shrunk workload and records every step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import diagnose
+
+
+def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "d.json"
+    args = ["--workload", "small-h512", "--budget-gib", "2", "--steps", "2", "--tiny", "--out", str(out)]
+    assert diagnose.main(args) == 0
+    result = json.loads(out.read_text())
+    assert [s["step"] for s in result["steps"]] == [0, 1]
+    for step in result["steps"]:
+        assert step["wall_s"] > 0
+        assert {"fwd_wait_ms", "bwd_stall_ms", "offloaded_gib", "host_allocations"} <= set(step)
+    assert result["budget_gib"] == 2.0 and "oom" not in result
