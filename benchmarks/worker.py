@@ -423,16 +423,17 @@ class Runner:
         engine_rows: list[dict[str, float]] = []
         # The anchors take 4-7x as long per step: fewer steps keep the whole run within its time budget.
         warmup, steps = (self.anchor_warmup, self.anchor_steps) if mode.group == "anchor" else (self.warmup, self.steps)
-        if getattr(engine, "planner", None) is not None:
-            # The planner's two measuring steps, and its first planned step, which pins the host buffers the plan
+        # Rows that plan under a memory budget (the engine makes its planner at its first step, so the mode says):
+        plans = engine is not None and (mode.budget is not None or mode.default)
+        if plans:
+            # the planner's two measuring steps, and its first planned step, which pins the host buffers the plan
             # offloads into (0.4 s per GiB on an H200: 8B LoRA's first planned steps took 1.33-1.52 s, later ones
             # 1.17 s). Other offloading rows pin in their first step, which a warm-up of 2 already covers.
             warmup = max(warmup, PLANNER_WARMUP)
-        planner = getattr(engine, "planner", None)
-        ran: list[tuple[Any, int]] = []  # per step: the plan it ran and the host buffers it pinned
+        ran: list[tuple[Any, int]] = []  # per step of a planning row: the plan it ran and the host buffers it pinned
         index = 0
         while index < warmup + steps:
-            if index == warmup and planner is not None and warmup < PLANNER_MAX_WARMUP and _unsettled(ran):
+            if index == warmup and plans and warmup < PLANNER_MAX_WARMUP and _unsettled(ran):
                 warmup += 1
             self.step_index = index
             timed = index >= warmup
@@ -455,8 +456,9 @@ class Runner:
             clock.mark()
             _sync(self.device)
             elapsed = time.perf_counter() - start
-            if planner is not None:
-                ran.append((planner.plan, engine.collect_stats(wait=False).host_allocations))
+            if plans:
+                plan = getattr(engine.planner, "plan", None)
+                ran.append((plan, engine.collect_stats(wait=False).host_allocations))
             index += 1
             if timed:
                 times.append(elapsed)

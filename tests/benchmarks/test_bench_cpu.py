@@ -15,7 +15,7 @@ import torch
 from benchmarks import __main__ as cli
 from benchmarks import anchors, models, report
 from benchmarks.__main__ import parse_args
-from benchmarks.worker import NO_BUDGET_API, budget_bytes, memory_budget_available
+from benchmarks.worker import NO_BUDGET_API, PLANNER_WARMUP, budget_bytes, memory_budget_available, run_workload
 from benchmarks.workloads import BUDGET_MODES, MODES, WORKLOADS, Mode, engine_kwargs
 from lightning_offload.options import OffloadOptions
 
@@ -511,3 +511,11 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     results = [_result("llama1b-s4k", rows), _result("small-h512", [_row("none", 1.0)])]
     report.plot(results, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_rows_that_plan_warm_up_past_the_planners_measuring_steps(tmp_path: Path) -> None:
+    """The engine makes its planner at its first step, so the row's mode decides the warm-up: a planning row's timed
+    steps start after its two measuring steps and its first planned step (which pins the plan's host buffers)."""
+    result = run_workload("small-h512", ["none", "streamed", "ours-default"], 1, 1, True, tmp_path / "w.json")
+    warmups = {row["mode"]: row["warmup"] for row in result["rows"]}
+    assert warmups == {"none": 1, "streamed": 1, "ours-default": PLANNER_WARMUP}
