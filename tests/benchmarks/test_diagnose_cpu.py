@@ -1,11 +1,14 @@
-"""``python -m benchmarks.diagnose`` on the CPU: the tool runs a shrunk workload and records every step."""
+"""The diagnostic tools on the CPU: `benchmarks.diagnose` records every step, `benchmarks.interleaved` times plain and
+default steps alike."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks import diagnose
+import pytest
+
+from benchmarks import diagnose, interleaved
 
 
 def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path: Path) -> None:
@@ -18,3 +21,11 @@ def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path:
         assert step["wall_s"] > 0
         assert {"fwd_wait_ms", "bwd_stall_ms", "offloaded_gib", "host_allocations"} <= set(step)
     assert result["budget_gib"] == 2.0 and "oom" not in result
+
+
+def test_interleaved_times_plain_and_default_steps_alike(tmp_path: Path) -> None:
+    out = tmp_path / "i.json"
+    assert interleaved.main(["--workload", "small-h512", "--pairs", "3", "--tiny", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["pairs"] == 3 and result["plain_ms"] > 0 and result["default_ms"] > 0
+    assert result["ratio"] == pytest.approx(result["default_ms"] / result["plain_ms"])
