@@ -59,6 +59,7 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
         record["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 2)
     if planner is not None:
         record["measuring"] = planner.measuring
+        record["fwd_peak_gib"] = round(planner.forward_peak / GiB, 2)  # the peak as backward began
         if planner.plan is not None:
             plan = planner.plan
             record["plan"] = f"ckpt {plan.checkpoint_blocks}, offload {plan.offload_bytes / GiB:.2f} GiB"

@@ -486,6 +486,7 @@ class Runner:
             # What the memory-budget planner measured and chose (after the last timed step).
             row["plan"] = dataclasses.asdict(planner.plan)
             row["profile"] = dataclasses.asdict(planner.profile)
+            row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

@@ -119,7 +119,7 @@ class BudgetPlanner:
         self._link_share = 1.0  # what planned steps taught (see waited_for_copies)
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
         self._plan_since: int | None = None  # the first step that ran the current plan
-        self._forward_peak = 0  # the measuring step's peak when its backward began
+        self.forward_peak = 0  # the latest step's peak when its backward began (forward's, the loss's included)
 
     @property
     def measuring(self) -> bool:
@@ -151,8 +151,7 @@ class BudgetPlanner:
 
     def backward_started(self) -> None:
         """Note forward's peak (the loss's transient included) as backward begins."""
-        if self._measuring:
-            self._forward_peak = self.memory.peak()
+        self.forward_peak = self.memory.peak()
 
     def backward_finished(self) -> None:
         """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
@@ -172,6 +171,7 @@ class BudgetPlanner:
             self.memory.reset_peak()
         self._stepping = True
         self._backward_peak = 0
+        self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
@@ -184,7 +184,6 @@ class BudgetPlanner:
         # and the first block, run in full, says what a block saves when it is not checkpointed.
         frugal = self.tripped and len(self._blocks) > 1
         self._blocks.checkpoint_last(len(self._blocks) - 1 if frugal else 0)
-        self._forward_peak = 0
         self._base = self.memory.allocated()
         if self._base >= self.budget and self.profile is None:
             _log.warning(
@@ -279,8 +278,8 @@ class BudgetPlanner:
             # barely slower than its forward).
             per_block_ms = (blocks_ms or forward_ms) / sizes.count
             backward_ms = max(forward_ms, backward_ms - sizes.checkpointed * per_block_ms) if backward_ms else 0.0
-            if self._forward_peak and peak > self._forward_peak:
-                peak = max(self._forward_peak, peak - block_bytes)
+            if self.forward_peak and peak > self.forward_peak:
+                peak = max(self.forward_peak, peak - block_bytes)
         return StepProfile(
             peak=peak,
             # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
@@ -296,6 +295,7 @@ class BudgetPlanner:
             block_share=min(1.0, blocks_ms / forward_ms) if forward_ms > 0 else 0.0,
             backward_ms=backward_ms,
             link_share=self._link_share,
+            forward_peak=self.forward_peak,
             **extra,
         )
 

@@ -169,6 +169,8 @@ class StepProfile:
         inflight_fixed: the user fixed ``inflight_cap`` (``max_inflight_bytes``): every plan uses it.
         link_share: the share of the link's bandwidth that copies get beside compute; lowered by planned steps that
             waited for copies longer than the model said (:func:`fit_link_share`).
+        forward_peak: the measured step's peak as its backward began (forward's and the loss's; 0: not known).
+            Recorded for a model of forward's and backward's peaks apart; no plan uses it yet.
     """
 
     peak: int
@@ -186,6 +188,7 @@ class StepProfile:
     inflight_cap: int = 512 << 20
     inflight_fixed: bool = False
     link_share: float = 1.0
+    forward_peak: int = 0
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,10 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
     assert all(s["hooked"] for s in steps)
     assert act // 4 <= steps[-1]["offloaded"] < act * 3 // 4  # the limit took effect
     assert max(memory.peaks[2:]) <= budget  # every planned step (after the two measuring steps) within the budget
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    assert planner.profile.forward_peak > 0  # forward's peak (the loss's transient included), apart from the step's
+    assert act <= planner.forward_peak <= budget  # the last planned step's, as its backward began
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
 
