@@ -54,8 +54,8 @@ _PLAN_MARGIN_SHARE = 0.05
 # Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
 # allocated at the first step), so the second is the one every later step looks like.
 _MEASURED_STEPS = 2
-# A later step's measurement replans when it moves the non-activation part of the peak by more than this share of
-# the budget (smaller moves are noise: allocator rounding, a different loss value's kernels).
+# A planned step replans when its peak passes its plan's prediction by more than this share of the budget (smaller
+# misses are noise: allocator rounding, a different loss value's kernels).
 _REPLAN_SHARE = 0.02
 # A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
 _KEEP_ALL = 1 << 62
