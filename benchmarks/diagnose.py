@@ -69,7 +69,6 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
 
 
 def _candidates(planner: Any) -> list[dict[str, Any]]:
-    budget = planner.budget - int(planner.budget * 0.05)  # what the planner aims for (its plan margin)
     return [
         {
             "ckpt": c.checkpoint_blocks,
@@ -79,7 +78,7 @@ def _candidates(planner: Any) -> list[dict[str, Any]]:
             "fits": c.fits,
             "inflight_cap": c.inflight_cap,
         }
-        for c in plan_candidates(planner.profile, budget)
+        for c in plan_candidates(planner.profile, planner.plan_budget)
     ]
 
 

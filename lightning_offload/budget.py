@@ -125,6 +125,12 @@ class BudgetPlanner:
     def measuring(self) -> bool:
         return self._measuring
 
+    @property
+    def plan_budget(self) -> int:
+        """What plans aim for: a little less than the budget (the allocator rounds blocks up, and a hard cap counts
+        reserved bytes)."""
+        return self.budget - int(self.budget * _PLAN_MARGIN_SHARE)
+
     def passed_watermark(self) -> bool:
         """Whether a measuring step's device memory just passed its watermark (true once per step): from there on
         the step offloads everything it saved and saves."""
@@ -338,8 +344,7 @@ class BudgetPlanner:
 
     def _choose(self) -> None:
         assert self.profile is not None
-        # Plan for a little less than the budget: the allocator rounds blocks up, and a hard cap counts reserved bytes.
-        plan = plan_for_budget(self.profile, self.budget - int(self.budget * _PLAN_MARGIN_SHARE))
+        plan = plan_for_budget(self.profile, self.plan_budget)
         plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
         changed = plan != self.plan
         self.plan = plan

@@ -15,7 +15,7 @@ from lightning_offload import OffloadOptions, offload_activations
 from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
-from lightning_offload.schedule import StepProfile
+from lightning_offload.schedule import StepProfile, plan_candidates
 from lightning_offload.streams import SimulatedStreams
 from tests.models import assert_same_grads
 
@@ -530,6 +530,9 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
     planner._choose()
     plan = planner.plan
     assert plan is not None and plan.checkpoint_blocks > 0 and plan.fits
+    # The candidates a diagnosis lists (one per number of checkpointed blocks) hold the chosen plan as their cheapest.
+    candidates = plan_candidates(planner.profile, planner.plan_budget)
+    assert len(candidates) == 33 and min(c.extra_ms for c in candidates if c.fits) == plan.extra_ms
 
     def planned_step(peak: int) -> None:
         assert planner.begin_step(lambda: 0) == plan
