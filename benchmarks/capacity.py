@@ -182,7 +182,7 @@ class CapacityWorker:
         note = ""
         try:
             for _ in range(self.steps):
-                times.append(self._train_step(context, optimizer, ids))
+                times.append(self.bench.timed_step(context(), optimizer, ids))
         except torch.cuda.OutOfMemoryError:
             note = "OOM"
         except RuntimeError as err:
@@ -216,21 +216,6 @@ class CapacityWorker:
         elif self.cuda:
             self.leaked_bytes = max(0.0, float(torch.cuda.memory_allocated(self.device) - allocated_before))
         return result
-
-    def _train_step(self, context: Callable[[], Any], optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-        # Its own frame: after an OOM, the activations it held go away with the exception's traceback.
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        with context():
-            loss = self.bench.loss(ids)
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
 
 
 def run_worker(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,6 @@ from lightning_offload.schedule import plan_candidates
 
 GiB = float(1 << 30)
 _ALL = {**WORKLOADS, **CAPACITY_MODELS}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -> dict[str, Any]:
@@ -132,16 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
-            _sync(device)
-            start = time.perf_counter()
-            with engine:
-                loss = bench.loss(ids)
-            loss.backward()
-            del loss
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            wall = time.perf_counter() - start
+            wall = bench.timed_step(engine, optimizer, ids)
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 result["profile"] = _profile_summary(profiler)

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = offload_activations() if cuda else offload_activations(compute_device="cpu")
 
     def step(context: Any) -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with context:
-            loss = bench.loss(ids)
-        loss.backward()
-        del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return bench.timed_step(context, optimizer, ids)
 
     try:
         for _ in range(_WARMUP_STEPS):

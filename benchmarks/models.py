@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,24 @@ class BenchModel:
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def timed_step(self, context: Any, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+        """One training step on ``ids`` with its forward under ``context`` (an engine, or a no-op); wall seconds from
+        an idle device to an idle device. Its own frame: after an out-of-memory error, the activations it held go
+        away with the exception's traceback."""
+        cuda = ids.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        start = time.perf_counter()
+        with context:
+            loss = self.loss(ids)
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter() - start
 
 
 def build(workload: Workload, device: torch.device, max_seq: int | None = None) -> BenchModel:
