@@ -6,6 +6,10 @@ candidate plans the planner chose from (one per number of checkpointed blocks: p
 fits). ``--profile-step N`` also runs step ``N`` under the PyTorch profiler and prints its busiest host calls and
 device kernels. Everything printed is also written as JSON (``--out``).
 
+On CUDA, each step's peak is also split by phase (:class:`PhasePeaks`): forward with the loss's forward (up to the
+first unpack), the loss's and the head's backward (up to the first block rebuilt in backward, when one is), the rest of
+backward, and the optimizer step. The planner still sees the whole step's peak.
+
     python -m benchmarks.diagnose --workload llama8b-lora-s8k --budget-gib 69.6 --steps 8 --profile-step 6
     python -m benchmarks.diagnose --workload smallvocab-h1024 --seq 45056 --budget-gib 8 --steps 6
 """
@@ -24,10 +28,74 @@ import torch
 from benchmarks import models
 from benchmarks.workloads import CAPACITY_MODELS, WORKLOADS, tiny
 from lightning_offload import offload_activations
+from lightning_offload.policy import backward_running
 from lightning_offload.schedule import plan_candidates
 
 GiB = float(1 << 30)
 _ALL = {**WORKLOADS, **CAPACITY_MODELS}
+
+
+class PhasePeaks:
+    """The device's peak allocated memory per phase of a step, for a planner that still sees the whole step's peak.
+
+    Wraps the planner's allocator counters: every phase boundary resets the device's peak counter, and ``peak()``
+    answers the largest of the phases so far, as the counter would have without the resets. Phases: ``forward``
+    (up to backward's first unpack, the loss's forward included), ``loss_backward`` (up to the first block that runs
+    its forward again in backward; absent when none does), ``backward`` (the rest of backward), ``optimizer``.
+    """
+
+    def __init__(self, memory: Any, blocks: list[torch.nn.Module]) -> None:
+        self.memory = memory
+        self.phases: dict[str, int] = {}
+        self._phase = "forward"
+        self._handles = [block.register_forward_pre_hook(self._block_started) for block in blocks]
+
+    def __getattr__(self, name: str) -> Any:  # total(), allocated(): the wrapped counters
+        return getattr(self.memory, name)
+
+    def peak(self) -> int:
+        return max([self.memory.peak(), *self.phases.values()])
+
+    def reset_peak(self) -> None:
+        self.memory.reset_peak()
+        self.phases, self._phase = {}, "forward"
+
+    def next_phase(self, phase: str) -> None:
+        """Close the current phase at the device's peak so far, and start ``phase``."""
+        self.phases[self._phase] = max(self.phases.get(self._phase, 0), self.memory.peak())
+        self.memory.reset_peak()
+        self._phase = phase
+
+    def _block_started(self, module: torch.nn.Module, args: Any) -> None:
+        if self._phase == "loss_backward" and backward_running():
+            self.next_phase("backward")
+
+    def close(self) -> dict[str, float]:
+        """End the step's last phase; the phases' peaks in GiB."""
+        self.next_phase("forward")
+        return {name: round(value / GiB, 2) for name, value in self.phases.items()}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _split_phases(planner: Any, blocks: list[torch.nn.Module]) -> PhasePeaks:
+    """Make ``planner`` count its peaks through a :class:`PhasePeaks` that tells backward's start and end apart."""
+    phases = PhasePeaks(planner.memory, blocks)
+    planner.memory = phases
+    started, finished = planner.backward_started, planner.backward_finished
+
+    def backward_started() -> None:
+        started()
+        phases.next_phase("loss_backward")
+
+    def backward_finished() -> None:
+        finished()
+        phases.next_phase("optimizer")
+
+    planner.backward_started, planner.backward_finished = backward_started, backward_finished
+    return phases
 
 
 def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -> dict[str, Any]:
@@ -49,7 +117,8 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
         host_allocations=stats.host_allocations,
     )
     if device.type == "cuda":
-        record["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / GiB, 2)
+        peak = planner.memory.peak() if planner is not None else torch.cuda.max_memory_allocated(device)
+        record["peak_gib"] = round(peak / GiB, 2)
         record["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 2)
     if planner is not None:
         record["measuring"] = planner.measuring
@@ -119,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget=budget, model=bench.module, measure_copies=cuda, compute_device=None if cuda else "cpu"
     )
     result: dict[str, Any] = {"workload": workload.as_dict(), "budget_gib": args.budget_gib, "steps": []}
+    phases = None
+    if cuda and engine.planner is not None:
+        phases = _split_phases(engine.planner, [block for _, block in engine.planner._blocks.blocks])
     try:
         for index in range(args.steps):
             profiler = None
@@ -131,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 profiler.__exit__(None, None, None)
                 result["profile"] = _profile_summary(profiler)
             record = _step_record(engine, index, wall, device)
+            if phases is not None:
+                record["phase_peaks_gib"] = phases.close()
             result["steps"].append(record)
             print(json.dumps(record), flush=True)
             planner = engine.planner
@@ -142,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         result["oom"] = str(err)[:400]
         print("OOM:", str(err)[:400])
     finally:
+        if phases is not None:
+            phases.remove()
         engine.close()
     if "profile_measured" in result:
         print("profile:", json.dumps(result["profile_measured"]))

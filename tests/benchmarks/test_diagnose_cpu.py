@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
 
 from benchmarks import diagnose, interleaved
+from lightning_offload.policy import backward_running
 
 
 def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path: Path) -> None:
@@ -29,3 +33,44 @@ def test_interleaved_times_plain_and_default_steps_alike(tmp_path: Path) -> None
     result = json.loads(out.read_text())
     assert result["pairs"] == 3 and result["plain_ms"] > 0 and result["default_ms"] > 0
     assert result["ratio"] == pytest.approx(result["default_ms"] / result["plain_ms"])
+
+
+class _Counter:
+    """A peak counter the test drives: ``use(n)`` holds ``n`` GiB for a moment."""
+
+    def __init__(self) -> None:
+        self._peak = 0
+
+    def use(self, gib: int) -> None:
+        self._peak = max(self._peak, gib << 30)
+
+    def peak(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = 0
+
+
+def test_phase_peaks_split_a_step_at_backward_start_first_rebuilt_block_and_backward_end() -> None:
+    counter = _Counter()
+    blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    planner = SimpleNamespace(memory=counter, backward_started=lambda: None, backward_finished=lambda: None)
+    phases = diagnose._split_phases(planner, blocks)
+    # Registered after the phases' own hook: the rebuilt block's 9 GiB count in the phase it starts.
+    blocks[1].register_forward_pre_hook(lambda module, args: counter.use(9 if backward_running() else 4))
+
+    planner.memory.reset_peak()
+    out = checkpoint(blocks[1], blocks[0](torch.randn(2, 4, requires_grad=True)), use_reentrant=False)
+    counter.use(5)  # the rest of forward, the loss's forward included
+    planner.backward_started()  # what the engine calls at backward's first unpack
+    counter.use(7)  # the loss's backward
+    assert planner.memory.peak() == 7 << 30
+    out.sum().backward()  # the checkpointed block runs again: backward's own phase begins
+    planner.backward_finished()
+    counter.use(3)  # the optimizer step
+    assert planner.memory.peak() == 9 << 30  # the whole step's, as the planner reads it
+    assert phases.close() == {"forward": 5.0, "loss_backward": 7.0, "backward": 9.0, "optimizer": 3.0}
+    assert planner.memory.peak() == 9 << 30  # until the next step resets it
+    planner.memory.reset_peak()
+    assert planner.memory.peak() == 0
+    phases.remove()
