@@ -188,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget=budget, model=bench.module, measure_copies=cuda, compute_device=None if cuda else "cpu"
     )
     result: dict[str, Any] = {"workload": workload.as_dict(), "budget_gib": args.budget_gib, "steps": []}
-    phases = None
-    if cuda and engine.planner is not None:
-        phases = _split_phases(engine.planner, [block for _, block in engine.planner._blocks.blocks])
+    phases = None  # from the second step on: the engine makes its planner at its first
     try:
         for index in range(args.steps):
             profiler = None
@@ -205,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             record = _step_record(engine, index, wall, device)
             if phases is not None:
                 record["phase_peaks_gib"] = phases.close()
+            elif cuda and engine.planner is not None:
+                phases = _split_phases(engine.planner, [block for _, block in engine.planner._blocks.blocks])
             result["steps"].append(record)
             print(json.dumps(record), flush=True)
             planner = engine.planner
