@@ -184,12 +184,14 @@ def missing_requirements(args: argparse.Namespace) -> str | None:
 
 
 def worker_env() -> dict[str, str]:
-    """The workers' environment: this one, the anchors' settings, and ``.refimpl/`` on ``PYTHONPATH``."""
+    """The workers' environment: this one, the anchors' settings, and the folders of ``.refimpl/`` on
+    ``PYTHONPATH`` (``pkgs``: the anchors; ``ao``: the torchao torchtune needs, which the workers hide from peft)."""
     env = dict(os.environ)
     for key, value in anchors.ENVIRONMENT.items():
         env.setdefault(key, value)
-    if REFIMPL.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REFIMPL), env.get("PYTHONPATH", "")) if p)
+    folders = [str(REFIMPL / name) for name in ("pkgs", "ao") if (REFIMPL / name).is_dir()]
+    if folders:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*folders, env.get("PYTHONPATH", "")) if p)
     return env
 
 

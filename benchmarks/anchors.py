@@ -1,8 +1,8 @@
 """Other projects' offloaders, the anchors the benchmark compares against, loaded by ordinary imports.
 
 They are not dependencies: ``fetch_anchors.sh`` downloads their wheels into ``.whl/`` and installs them into
-``.refimpl/`` (both git-ignored) at benchmark time; ``python -m benchmarks`` puts ``.refimpl/`` on its workers'
-``PYTHONPATH`` when it exists. An anchor that cannot be imported becomes a "not available: ..." row.
+``.refimpl/`` (both git-ignored) at benchmark time; ``python -m benchmarks`` puts ``.refimpl/pkgs`` (the anchors) and
+``.refimpl/ao`` (torchao, hidden from peft until torchtune needs it) on its workers' ``PYTHONPATH`` when they exist. An anchor that cannot be imported becomes a "not available: ..." row.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # at benchmark time, never committed:
 #   fetch    (default; needs network) download their wheels into .whl/ (git-ignored)
 #   install  (no network needed) install .whl/*.whl into .refimpl/ (git-ignored); `python -m benchmarks` puts
-#            .refimpl/ on its workers' PYTHONPATH when it exists, and the anchors' rows run.
+#            .refimpl/pkgs and .refimpl/ao on its workers' PYTHONPATH when it exists, and the anchors' rows run.
 #
 # Besides the two anchors, the set holds the packages they import at import time that the GPU image lacks, all
 # pure Python except torchao (whose C++ extensions are never loaded: TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1):
@@ -33,8 +33,16 @@ if [ "$action" = "install" ]; then
         exit 1
     fi
     rm -rf "$root/.refimpl"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/.refimpl" "${found[@]}"
-    echo "installed ${#found[@]} wheels into $root/.refimpl"
+    # torchao in a folder of its own: the worker hides it from peft (see above), and hiding it must not hide TRL.
+    others=()
+    for wheel in "${found[@]}"; do
+        case "$(basename "$wheel")" in
+            torchao-*) python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/.refimpl/ao" "$wheel" ;;
+            *) others+=("$wheel") ;;
+        esac
+    done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/.refimpl/pkgs" "${others[@]}"
+    echo "installed ${#found[@]} wheels into $root/.refimpl/{pkgs,ao}"
     exit 0
 fi
 

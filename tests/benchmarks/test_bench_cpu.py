@@ -129,12 +129,15 @@ def test_importing_the_benchmarks_changes_no_environment_or_path() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_workers_get_the_anchor_folder_and_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_workers_get_the_anchor_folders_and_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(cli, "REFIMPL", tmp_path)
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.delenv("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", raising=False)
+    (tmp_path / "pkgs").mkdir()
+    (tmp_path / "ao").mkdir()
     env = cli.worker_env()
-    assert env["PYTHONPATH"].split(":") == [str(tmp_path), "/somewhere"]
+    # torchao apart from the anchors: hiding it from peft must not hide TRL (whose rows read "No module named 'trl'")
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / "pkgs"), str(tmp_path / "ao"), "/somewhere"]
     assert env["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] == "1"
     assert "TORCHAO_FORCE_SKIP_LOADING_SO_FILES" not in __import__("os").environ  # a copy, not this process
     monkeypatch.setattr(cli, "REFIMPL", tmp_path / "absent")
