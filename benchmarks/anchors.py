@@ -2,7 +2,8 @@
 
 They are not dependencies: ``fetch_anchors.sh`` downloads their wheels into ``.whl/`` and installs them into
 ``.refimpl/`` (both git-ignored) at benchmark time; ``python -m benchmarks`` puts ``.refimpl/pkgs`` (the anchors) and
-``.refimpl/ao`` (torchao, hidden from peft until torchtune needs it) on its workers' ``PYTHONPATH`` when they exist. An anchor that cannot be imported becomes a "not available: ..." row.
+``.refimpl/ao`` (torchao, hidden from peft until torchtune needs it) on its workers' ``PYTHONPATH`` when they exist.
+An anchor that cannot be imported becomes a "not available: ..." row.
 """
 
 from __future__ import annotations

@@ -273,11 +273,13 @@ class BudgetPlanner:
 
         Blocks it ran checkpointed saved only their inputs and recomputed their forward in backward: what they would
         save in full is the blocks run in full (the first) on average, and their recompute is taken off backward's
-        time and off the peak (a peak in backward, above forward's, held one recomputed block).
+        time and off the peak (a peak in backward, above forward's, held one recomputed block, or the loss's
+        backward: the step's own peak stays in the profile for plans that rebuild no block).
         """
         sizes = self._blocks.sizes()
         block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
         blocks_ms = self._blocks.compute_ms()
+        unrebuilt_peak = 0
         if sizes.checkpointed and block_bytes > input_bytes:
             eligible += sizes.checkpointed * (block_bytes - input_bytes)
             # Recompute is forward's compute again, one block each; keep at least forward's pace (a LoRA backward is
@@ -285,7 +287,7 @@ class BudgetPlanner:
             per_block_ms = (blocks_ms or forward_ms) / sizes.count
             backward_ms = max(forward_ms, backward_ms - sizes.checkpointed * per_block_ms) if backward_ms else 0.0
             if self.forward_peak and peak > self.forward_peak:
-                peak = max(self.forward_peak, peak - block_bytes)
+                unrebuilt_peak, peak = peak, max(self.forward_peak, peak - block_bytes)
         return StepProfile(
             peak=peak,
             # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
@@ -302,6 +304,7 @@ class BudgetPlanner:
             backward_ms=backward_ms,
             link_share=self._link_share,
             forward_peak=self.forward_peak,
+            unrebuilt_peak=unrebuilt_peak,
             **extra,
         )
 

@@ -170,7 +170,10 @@ class StepProfile:
         link_share: the share of the link's bandwidth that copies get beside compute; lowered by planned steps that
             waited for copies longer than the model said (:func:`fit_link_share`).
         forward_peak: the measured step's peak as its backward began (forward's and the loss's; 0: not known).
-            Recorded for a model of forward's and backward's peaks apart; no plan uses it yet.
+        unrebuilt_peak: the measured step's own peak where ``peak`` took a rebuilt block off it (0: ``peak`` is the
+            step's own). What rose above forward's peak in backward may have been the loss's backward, not the block
+            (on an H200, 8B LoRA's frugal step rose 1.9 GiB at the loss's backward, a block being 2.1 GiB): a plan
+            that rebuilds no block is counted at this peak, not at ``peak``.
     """
 
     peak: int
@@ -189,6 +192,7 @@ class StepProfile:
     inflight_fixed: bool = False
     link_share: float = 1.0
     forward_peak: int = 0
+    unrebuilt_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -335,12 +339,14 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
     fits): what :func:`plan_for_budget` chooses from, listed for diagnosis."""
     fixed = profile.peak - profile.resident
+    # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak had taken for the block.
+    fixed_unrebuilt = max(profile.peak, profile.unrebuilt_peak) - profile.resident
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     candidates = []
     for k in range(profile.blocks + 1):
         eligible = _eligible(profile, k)
         # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
-        kept_peak = fixed + eligible + (profile.block_bytes if k else 0)
+        kept_peak = fixed + eligible + profile.block_bytes if k else fixed_unrebuilt + eligible
         excess = kept_peak - budget
         if excess <= 0:
             candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))

@@ -92,7 +92,14 @@ def test_a_plan_pace_replaces_what_the_link_model_learnt_and_stops_learning() ->
 
 # ---------------------------------------------------------------------------------------------- the memory budget
 
-from lightning_offload.schedule import HIDDEN_SHARE, OffloadModel, StepProfile, frugal_cap, plan_for_budget  # noqa: E402
+from lightning_offload.schedule import (  # noqa: E402
+    HIDDEN_SHARE,
+    OffloadModel,
+    StepProfile,
+    frugal_cap,
+    plan_candidates,
+    plan_for_budget,
+)
 
 
 def profile(**changes: float) -> StepProfile:
@@ -131,6 +138,18 @@ def test_offloads_just_what_is_needed_where_it_hides() -> None:
     assert plan.offload_bytes == 3 * GiB + 512 * MiB and plan.inflight_cap is None
     assert plan.peak <= 27 * GiB and plan.fits
     assert plan.extra_ms == 0.0
+
+
+def test_a_plan_that_rebuilds_no_block_is_counted_at_the_measured_steps_own_peak() -> None:
+    """The profile's peak took a rebuilt block off what the frugal measuring step peaked at in backward, but the rise
+    may have been the loss's backward, which a plan without checkpointing still has: such plans count the step's own
+    peak (on an H200, 8B LoRA's first plan without checkpointing peaked 3.3 GiB above its prediction)."""
+    plain = plan_candidates(profile(), 27 * GiB)
+    rose = plan_candidates(profile(unrebuilt_peak=31 * GiB), 27 * GiB)
+    assert rose[0].peak <= 27 * GiB and rose[0].offload_bytes >= plain[0].offload_bytes + GiB
+    assert rose[0].extra_ms > plain[0].extra_ms  # past what forward hides: forward now waits for the link
+    assert rose[1:] == plain[1:]  # a rebuilt block is counted on top of the profile's peak already
+    assert plan_candidates(profile(unrebuilt_peak=29 * GiB), 27 * GiB) == plain  # never below the profile's peak
 
 
 def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
