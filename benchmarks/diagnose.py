@@ -48,7 +48,10 @@ class PhasePeaks:
         self.memory = memory
         self.phases: dict[str, int] = {}
         self._phase = "forward"
-        self._handles = [block.register_forward_pre_hook(self._block_started) for block in blocks]
+        # On the blocks' parts: the engine's checkpointing replaces a block's ``forward``, so its rebuild in backward
+        # runs the original one, which skips the block's own hooks but calls its parts (a block without parts: itself).
+        parts = [part for block in blocks for part in (list(block.children()) or [block])]
+        self._handles = [part.register_forward_pre_hook(self._block_started) for part in parts]
 
     def __getattr__(self, name: str) -> Any:  # total(), allocated(): the wrapped counters
         return getattr(self.memory, name)
