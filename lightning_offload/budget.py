@@ -33,6 +33,7 @@ from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
 from lightning_offload.planned_blocks import PlannedBlocks
 from lightning_offload.schedule import (
+    REBUILD_SHARE,
     Plan,
     StepProfile,
     fit_link_share,
@@ -120,6 +121,9 @@ class BudgetPlanner:
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
         self._plan_since: int | None = None  # the first step that ran the current plan
         self.forward_peak = 0  # the latest step's peak when its backward began (forward's, the loss's included)
+        # The latest step's backward as it left the head (the loss's and the head's saved bytes, run first): the head's
+        # bytes, the peak so far and the bytes allocated then; the peak as backward ended.
+        self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
 
     @property
     def measuring(self) -> bool:
@@ -161,7 +165,28 @@ class BudgetPlanner:
 
     def backward_finished(self) -> None:
         """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
-        self._backward_peak = max(self._backward_peak, self.memory.peak())
+        self._backward_end_peak = self.memory.peak()
+        self._backward_peak = max(self._backward_peak, self._backward_end_peak)
+
+    def head_start(self, forward_end: int) -> int | None:
+        """The position where the head's saved bytes begin in the forward that ended at ``forward_end`` (backward
+        fetches nothing ahead above it); ``None``: nothing is held back.
+
+        A measuring step reads it from where its last block ended; a planned step from its profile, when the plan was
+        made with the head's backward apart (:attr:`StepProfile.two_peaks`)."""
+        if self._measuring:
+            end = self._blocks.last_end()
+            self._head_bytes = forward_end - end if 0 < end < forward_end else 0
+            return end if self._head_bytes else None
+        p = self.profile
+        if self.plan is None or p is None or not p.two_peaks:
+            return None
+        return forward_end - p.head_bytes
+
+    def left_head(self) -> None:
+        """Backward has left the head (the loss's transient is gone): note the peak so far and what is allocated."""
+        if self._measuring:
+            self._head_peak, self._head_allocated = self.memory.peak(), self.memory.allocated()
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again at the next ``measuring_steps`` steps (the input's shape changed, or the model did; 2 when
@@ -178,6 +203,7 @@ class BudgetPlanner:
         self._stepping = True
         self._backward_peak = 0
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
+        self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
@@ -289,6 +315,7 @@ class BudgetPlanner:
             if self.forward_peak and peak > self.forward_peak:
                 unrebuilt_peak, peak = peak, max(self.forward_peak, peak - block_bytes)
         return StepProfile(
+            **self._two_peak_fields(peak, unrebuilt_peak, sizes),
             peak=peak,
             # Past the watermark everything left, the compute stream waiting whenever more than the in-flight
             # cap lagged behind: count no activation as kept (what was still in flight at the peak then counts
@@ -307,6 +334,23 @@ class BudgetPlanner:
             unrebuilt_peak=unrebuilt_peak,
             **extra,
         )
+
+    def _two_peak_fields(self, peak: int, unrebuilt_peak: int, sizes: Any) -> dict[str, int]:
+        """What the measuring step said of its backward's two parts (:class:`StepProfile`'s ``head_*``, ``rest_peak``
+        and ``optimizer_peak``); none where backward never left the head the engine knew of."""
+        if not (self._head_bytes and self._head_peak):
+            return {}
+        rest = self._backward_end_peak if self._backward_end_peak > self._head_peak else 0
+        if rest and not sizes.checkpointed:  # it rebuilt no block: a plan that checkpoints rebuilds one on top
+            rest += int(REBUILD_SHARE * sizes.block_bytes)
+        step_peak = max(peak, unrebuilt_peak)
+        return {
+            "head_bytes": self._head_bytes,
+            "head_peak": self._head_peak,
+            "backward_base": self._head_allocated,
+            "rest_peak": rest,
+            "optimizer_peak": step_peak if step_peak > max(self._head_peak, self._backward_end_peak) else 0,
+        }
 
     def pinned_host_memory(self, step: int) -> None:
         """Step ``step`` pinned new host buffers (0.4 s per GiB on an H200): its waits for copies say nothing about

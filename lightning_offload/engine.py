@@ -287,6 +287,7 @@ class OffloadEngine:
             self._transfer.backward_started(saved)
             if self.planner is not None:
                 self.planner.backward_started()
+                self._inbound.hold_above = self.planner.head_start(self._log.position)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self._inbound.add_forward(offloaded)
 
@@ -314,6 +315,8 @@ class OffloadEngine:
         outbound, inbound = self._outbound, self._inbound
         assert outbound is not None and inbound is not None
         self._log.reached(copy)
+        if inbound.left_head(self._log.backward_pos) and self.planner is not None:
+            self.planner.left_head()
         outbound.retire()  # before the version check: a finished copy seals the version it saw
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:

@@ -30,6 +30,9 @@ class InboundQueue:
         grad_reserve: freed bytes that do not count (the gradients backward allocates meanwhile); ``None``: only
             ``cap`` bounds the prefetch.
         freed_bytes: bytes of resident activations backward has used (and released) since the latest forward.
+        hold_above: nothing is fetched ahead while backward is above this position (the head's saved bytes: the
+            loss's backward is the step's peak, and what it frees is room for copies once it is done); ``None``:
+            no hold.
     """
 
     def __init__(self, transfer: Transfer, device: torch.device, cap: int) -> None:
@@ -42,6 +45,7 @@ class InboundQueue:
         self.ahead_bytes = 0
         self.grad_reserve: int | None = None
         self.freed_bytes = 0
+        self.hold_above: int | None = None
 
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
         """Queue a sealed forward's offloaded copies (save order) and plan when each starts back."""
@@ -81,9 +85,18 @@ class InboundQueue:
             if view.copy.views_left <= 0:
                 self.freed_bytes += view.copy.nbytes
 
+    def left_head(self, backward_pos: int) -> bool:
+        """Whether backward, at ``backward_pos``, just left the held head (true once per backward)."""
+        if self.hold_above is None or backward_pos >= self.hold_above:
+            return False
+        self.hold_above = None
+        return True
+
     def prefetch(self, backward_pos: int, stats: OffloadStats) -> None:
         """Start the copies whose planned start backward has reached, latest-saved first, within ``cap`` ahead; and
-        later ones already, as far as the room backward has freed allows."""
+        later ones already, as far as the room backward has freed allows (nothing while the head is held)."""
+        if self.hold_above is not None:
+            return
         ahead = self._ahead
         while ahead and (ahead[0][0]() is None or ahead[0][0]().fetched is None):  # type: ignore[union-attr]
             self.ahead_bytes -= ahead.popleft()[1]
@@ -122,6 +135,7 @@ class InboundQueue:
         return span
 
     def clear(self) -> None:
+        self.hold_above = None
         self.queue, self.starts = [], []
         self._ahead.clear()
         self.ahead_bytes = self.freed_bytes = 0

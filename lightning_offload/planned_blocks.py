@@ -118,6 +118,10 @@ class PlannedBlocks:
             input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
         return BlockSizes(len(full) + len(cut_marks), len(cut_marks), block_bytes, input_bytes)
 
+    def last_end(self) -> int:
+        """The position where the watched forward's last block ended (0: no block ran, or none is watched)."""
+        return max((end for _, end, _ in self._marks.values()), default=0)
+
     def compute_ms(self) -> float:
         """Compute time of the blocks in the watched forward (0: not timed)."""
         times = [t for t in self._times if t is not None]

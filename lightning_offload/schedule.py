@@ -174,6 +174,17 @@ class StepProfile:
             step's own). What rose above forward's peak in backward may have been the loss's backward, not the block
             (on an H200, 8B LoRA's frugal step rose 1.9 GiB at the loss's backward, a block being 2.1 GiB): a plan
             that rebuilds no block is counted at this peak, not at ``peak``.
+        head_bytes: eligible bytes each forward saves after the last block (the head's and the loss's). Backward runs
+            through them first, and fetches nothing ahead until it has (0: not known; nothing is held back then).
+        head_peak: the measured step's peak up to where backward left the head: forward's and the loss's backward,
+            with nothing fetched ahead and no block rebuilt (0: not measured; plans count one peak then).
+        backward_base: allocated bytes as the measured step's backward left the head (the loss's transient gone):
+            what the blocks' backward starts from, with the activations that step kept (``resident`` less the
+            head's, which backward has used by then).
+        rest_peak: the measured step's peak in backward after it left the head, where it rose above ``head_peak``
+            (0: it did not, so it is known only to be lower).
+        optimizer_peak: the measured step's peak after backward (the optimizer's step), where it rose above
+            everything before it (0: it did not). No plan changes it: activations are gone by then.
     """
 
     peak: int
@@ -193,6 +204,16 @@ class StepProfile:
     link_share: float = 1.0
     forward_peak: int = 0
     unrebuilt_peak: int = 0
+    head_bytes: int = 0
+    head_peak: int = 0
+    backward_base: int = 0
+    rest_peak: int = 0
+    optimizer_peak: int = 0
+
+    @property
+    def two_peaks(self) -> bool:
+        """Whether the step's peak is modelled in two parts (the head's backward, the blocks' backward apart)."""
+        return self.head_bytes > 0 and self.head_peak > 0 and self.backward_base > 0
 
 
 @dataclass(frozen=True)
@@ -262,19 +283,27 @@ class OffloadModel:
     ahead of need may be on the device at the peak (up to ``prefetch_bytes``).
     """
 
-    def __init__(self, profile: StepProfile, eligible: int, frugal: int = FRUGAL_CAP) -> None:
+    def __init__(
+        self, profile: StepProfile, eligible: int, frugal: int = FRUGAL_CAP, counts_fetched: bool = True
+    ) -> None:
         self.p = profile
         self.eligible = eligible
         self.frugal = frugal  # the in-flight and prefetch bound of the most frugal offload
+        # Whether the relief is net of the bytes fetched ahead (one peak); without, they are counted where they meet
+        # the peak (the blocks' backward: the engine fetches nothing ahead during the head's)
+        self.counts_fetched = counts_fetched
         self.link = max(profile.link_bytes_per_ms * profile.link_share, 1e-9)
         self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
 
-    def _fetched_at_peak(self, nbytes: int, prefetch: int | None = None) -> int:
+    def fetched_ahead(self, nbytes: int, prefetch: int | None = None) -> int:
         """Bytes fetched back ahead of need while backward has freed nothing yet: counted in full (when prefetching
         starts depends on how evenly backward walks the saved bytes, which checkpointed blocks and the loss make
         uneven, and a peak under-predicted fails under a hard cap)."""
         return min(max(0, nbytes), self.p.prefetch_bytes if prefetch is None else prefetch)
+
+    def _fetched_at_peak(self, nbytes: int, prefetch: int | None = None) -> int:
+        return self.fetched_ahead(nbytes, prefetch) if self.counts_fetched else 0
 
     def _way_back_ms(self, nbytes: int) -> float:
         return max(0.0, nbytes / self.link - HIDDEN_SHARE * self.backward_ms)
@@ -345,21 +374,51 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     candidates = []
     for k in range(profile.blocks + 1):
         eligible = _eligible(profile, k)
-        # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
-        kept_peak = fixed + eligible + profile.block_bytes if k else fixed_unrebuilt + eligible
+        if profile.two_peaks:
+            head_kept, blocks_kept = _two_peaks(profile, k, eligible)
+            kept_peak = max(head_kept, blocks_kept, profile.optimizer_peak)
+        else:
+            # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
+            kept_peak = fixed + eligible + profile.block_bytes if k else fixed_unrebuilt + eligible
         excess = kept_peak - budget
         if excess <= 0:
             candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))
             continue
-        model = OffloadModel(profile, eligible, frugal_cap(budget))
+        model = OffloadModel(profile, eligible, frugal_cap(budget), counts_fetched=not profile.two_peaks)
         movable = max(0, eligible - profile.tail)
+        if profile.two_peaks:  # the blocks' backward holds the bytes fetched ahead as well
+            excess = max(head_kept, blocks_kept + profile.prefetch_bytes) - budget
         choice = model.cheapest(excess, movable)
         if choice is None:
             choice = model.most_frugal(movable)
-        peak = kept_peak - max(0, choice.relief)
+        if profile.two_peaks:
+            fetched = model.fetched_ahead(choice.nbytes, choice.prefetch_cap)
+            # Offloading lowers neither the optimizer's peak (activations are gone by then) nor what stays.
+            peak = max(max(head_kept, blocks_kept + fetched) - max(0, choice.relief), profile.optimizer_peak)
+        else:
+            peak = kept_peak - max(0, choice.relief)
         cost = k * per_block_ms + choice.cost_ms
         candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
     return candidates
+
+
+# A block rebuilt in the blocks' backward holds its saved bytes again and, while its own backward runs, gradients of
+# its intermediates: counted as this share of its saved bytes where that phase is modelled apart (a measured rise
+# above the head's peak replaces the estimate).
+REBUILD_SHARE = 1.5
+
+
+def _two_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> tuple[int, int]:
+    """The step's two peaks before any offloading, with ``eligible`` bytes saved and ``checkpointed`` blocks: the
+    head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt) and the
+    blocks' backward (the loss's transient gone, a block rebuilt when any is checkpointed; bytes fetched ahead are
+    added by the caller). The head's own saved bytes are counted in the second too: what backward frees of them is
+    room the engine fetches into."""
+    held = max(0, profile.resident - profile.head_bytes)  # activations the measured step still held past the head
+    head = profile.head_peak - profile.resident + eligible
+    rebuilt = int(REBUILD_SHARE * profile.block_bytes) if checkpointed else 0
+    blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible
+    return head, blocks
 
 
 def _eligible(profile: StepProfile, checkpointed: int) -> int:

@@ -197,6 +197,41 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
         assert_same_grads(s["grads"], reference_grads(x))
 
 
+def test_backward_fetches_nothing_ahead_until_it_has_left_the_head() -> None:
+    """The loss's backward is where a step peaks: the measuring steps note how many bytes the head saves (the loss's
+    input here), the peak up to where backward leaves it and what is allocated then; planned steps fetch no copy ahead
+    while backward is in the head, and fetch ahead once it has left."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    engine = planned_engine(GiB + act * 2, memory, model, sim)
+    run_steps(engine, model, x, 3)
+    planner, inbound = engine.planner, engine._inbound
+    assert planner is not None and planner.profile is not None and inbound is not None
+    profile = planner.profile
+    assert profile.two_peaks and profile.head_bytes == BATCH * WIDTH * 4  # ``square`` saved the last block's output
+    assert profile.head_peak >= GiB + act * 12 // 10  # forward and the loss's backward: the weights and the transient
+    assert GiB <= profile.backward_base < profile.head_peak
+    assert planner.plan is not None and planner.plan.offload_bytes > 0
+    fetched_at: list[int] = []
+    fetch = inbound._fetch
+
+    def recording_fetch(copy: Any, stats: Any, on_demand: bool) -> torch.Tensor:
+        if not on_demand:
+            fetched_at.append(engine._log.backward_pos)
+        return fetch(copy, stats, on_demand)
+
+    inbound._fetch = recording_fetch  # type: ignore[method-assign]
+    step = run_steps(engine, model, x, 1)[0]
+    forward_end = engine._log.position  # positions move in forward only
+    assert step["offloaded"] > 0 and fetched_at
+    assert max(fetched_at) < forward_end - profile.head_bytes
+    assert_same_grads(step["grads"], reference_grads(x))
+
+
 def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -> None:
     """A slow link: offloading the excess would stall; the plan checkpoints the fewest (last) blocks instead and the
     gradients stay bit-equal. Removing the planner leaves no wrapper behind."""
@@ -374,7 +409,8 @@ def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_water
         first = run_steps(engine, model, x, 1)[0]
         if offloads:
             assert first["offloaded"] == act
-            assert len(seen) > 3 and seen[-2] <= watermark < seen[-1]  # checked as forward grew, tripped halfway
+            tripped = next(i for i, value in enumerate(seen) if value > watermark)
+            assert tripped > 3 and seen[tripped - 1] <= watermark  # checked as forward grew, tripped halfway
             seen.clear()
             assert run_steps(engine, model, x, 1)[0]["offloaded"] == activation_bytes(x, frugal=True)
             assert max(seen) < watermark  # it tripped below the watermark of the first step

@@ -152,6 +152,48 @@ def test_a_plan_that_rebuilds_no_block_is_counted_at_the_measured_steps_own_peak
     assert plan_candidates(profile(unrebuilt_peak=29 * GiB), 27 * GiB) == plain  # never below the profile's peak
 
 
+def test_with_the_heads_backward_apart_a_checkpointing_plan_counts_no_block_or_prefetch_at_the_losss_peak() -> None:
+    """The profile's step peaked in the loss's backward (3 GiB of transient over its 27 GiB as backward left the head):
+    there, no block is rebuilt and nothing is fetched ahead (the engine holds copies back until the head is done). So
+    a checkpointing plan's peak is the head's, a block and the bytes fetched ahead lower than one peak counts; the
+    blocks' backward, with the rebuilt block and the copies fetched ahead, stays below it."""
+    one = profile()
+    two = profile(head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=27 * GiB - 256 * MiB)
+    one_peak, two_peaks = plan_candidates(one, 10 * GiB**2), plan_candidates(two, 10 * GiB**2)  # nothing offloaded
+    assert two_peaks[0].peak == one_peak[0].peak == 30 * GiB
+    for k in range(1, 11):
+        assert two_peaks[k].peak == one_peak[k].peak - GiB  # the head's peak: no rebuilt block
+    budget = 22 * GiB
+    plan_one, plan_two = plan_for_budget(one, budget), plan_for_budget(two, budget)
+    assert plan_two.fits and plan_two.peak <= budget
+    assert plan_two.extra_ms < plan_one.extra_ms  # less to offload or fewer blocks to rebuild
+    # The blocks' backward: 27 GiB less the 9.75 GiB of activations still held, 1.5 GiB for the rebuilt block, what
+    # the plan keeps, and the copies fetched ahead: below the head's peak.
+    kept = 10 * GiB - plan_two.checkpoint_blocks * (GiB - 64 * MiB) - plan_two.offload_bytes
+    blocks_peak = 27 * GiB - 256 * MiB - (10 * GiB - 256 * MiB) + int(1.5 * GiB) + kept + 512 * MiB
+    assert blocks_peak < plan_two.peak
+
+
+def test_where_the_blocks_backward_is_the_higher_peak_it_counts_the_rebuilt_block_and_the_prefetch() -> None:
+    """No loss transient to speak of (a small vocabulary): the blocks' backward, with a block rebuilt (its saved bytes
+    and half again for its backward's gradients) and the copies fetched ahead, is the step's peak, and plans count
+    it. A measured rise after the head replaces the estimate; the optimizer's peak, which no plan lowers, bounds them
+    all."""
+    flat = dict(head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=30 * GiB - 256 * MiB)
+    held = 10 * GiB - 256 * MiB  # the activations the measured step still held as backward left the head
+    kept = [plan_candidates(profile(**flat), 100 * GiB)[k].peak for k in range(11)]
+    for k in range(1, 11):
+        eligible = 10 * GiB - k * (GiB - 64 * MiB)
+        assert kept[k] == 30 * GiB - 256 * MiB - held + int(1.5 * GiB) + eligible  # above the head's 20 GiB + eligible
+    with_transient = plan_for_budget(profile(**{**flat, "backward_base": 27 * GiB}), 22 * GiB)
+    plan = plan_for_budget(profile(**flat), 22 * GiB)
+    assert plan.fits and plan.extra_ms > with_transient.extra_ms
+    measured = plan_candidates(profile(**flat, rest_peak=31 * GiB), 100 * GiB)
+    assert all(measured[k].peak == 31 * GiB - held + 10 * GiB - k * (GiB - 64 * MiB) for k in range(11))
+    floor = plan_candidates(profile(**flat, optimizer_peak=25 * GiB), 22 * GiB)
+    assert all(candidate.peak >= 25 * GiB and not candidate.fits for candidate in floor)
+
+
 def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
     """8 GiB must leave: forward hides only ~3.9 GiB, so offloading it all means forward waits for the link; the
     plan checkpoints a few blocks (10 ms each) and offloads what hides."""
