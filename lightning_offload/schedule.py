@@ -185,6 +185,8 @@ class StepProfile:
             (0: it did not, so it is known only to be lower).
         optimizer_peak: the measured step's peak after backward (the optimizer's step), where it rose above
             everything before it (0: it did not). No plan changes it: activations are gone by then.
+        copy_ms_per_gib: how much slower forward's compute ran per GiB offloaded in planned steps (copies share the
+            device's memory and the host's time with compute), waits excluded; learnt by :class:`BudgetPlanner`.
     """
 
     peak: int
@@ -209,6 +211,7 @@ class StepProfile:
     backward_base: int = 0
     rest_peak: int = 0
     optimizer_peak: int = 0
+    copy_ms_per_gib: float = 0.0
 
     @property
     def two_peaks(self) -> bool:
@@ -397,7 +400,7 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
             peak = max(max(head_kept, blocks_kept + fetched) - max(0, choice.relief), profile.optimizer_peak)
         else:
             peak = kept_peak - max(0, choice.relief)
-        cost = k * per_block_ms + choice.cost_ms
+        cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
         candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
     return candidates
 

@@ -116,6 +116,7 @@ class StreamedTransfer:
         last_backward_ms: compute time of the latest timed backward (waits for copies excluded; 0: none timed).
         last_stalls: the step of the latest timed forward and backward, when both belong to one step, and the time
             compute waited for copies in them (``None``: not known yet).
+        last_forward: the step of the latest timed forward and its compute time (``None``: none timed yet).
         step: a number for the steps that start from now on (the memory-budget planner counts its steps); timings
             carry it, so a timing read late is not taken for a later step's.
     """
@@ -139,6 +140,7 @@ class StreamedTransfer:
         self.step = 0
         self._forward_stall: tuple[int, float] | None = None  # (step, ms) of the latest forward read
         self.last_stalls: tuple[int, float] | None = None
+        self.last_forward: tuple[int, float] | None = None
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -276,6 +278,7 @@ class StreamedTransfer:
         self.last_forward_ms = timed.begin.elapsed_time(timed.end)  # type: ignore[arg-type]
         self.last_compute_ms = timed.compute_ms()
         self._forward_stall = (timed.step, self.last_forward_ms - self.last_compute_ms)
+        self.last_forward = (timed.step, self.last_compute_ms)
         # Compute's pace, not one slowed by waits for earlier copies: a forward that waited would otherwise teach
         # the model that copies finish early, place the next waits earlier still, and wait more (measured on an
         # H200: 16 GiB of 8B LoRA's forward hide behind its 420 ms, yet forward waited 130 ms).

@@ -5,6 +5,7 @@ re-plans when a step passes the budget or the input changes, and leaves the mode
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -311,6 +312,34 @@ def test_planned_steps_that_wait_for_copies_longer_than_predicted_shift_the_plan
     assert planner is not None and planner.plan is not None and planner.profile is not None
     assert planner.profile.link_share < 0.5
     assert "waited" in caplog.text and "planning again" in caplog.text
+    assert planner.plan.checkpoint_blocks > 0 and planner.plan.offload_bytes < first.offload_bytes
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
+
+
+def test_planned_steps_whose_forward_computes_slower_with_copies_learn_their_cost(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies the link model calls hidden still slow compute down (they share the device's memory and the host's
+    time): planned steps that offload and whose forward computes far slower than measured teach the planner a cost
+    per GiB offloaded, and it plans again towards checkpointing; the gradients stay the same."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=None, bytes_per_ms=float(512 * KiB))
+    model = Stack(sim, backward_ms=2 * BLOCK_MS)
+    memory = FakeMemory(base=0, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    engine = planned_engine(act * 2, memory, model, sim)
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    first = planner.plan
+    assert first.offload_bytes > 0 and first.checkpoint_blocks == 0 and planner.profile.copy_ms_per_gib == 0.0
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_MS", 2 * BLOCK_MS)  # forward computes twice as long from now on
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        steps = run_steps(engine, model, x, 4)
+    assert planner.profile.copy_ms_per_gib > 0
+    assert "computed" in caplog.text and "planning again" in caplog.text
     assert planner.plan.checkpoint_blocks > 0 and planner.plan.offload_bytes < first.offload_bytes
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
