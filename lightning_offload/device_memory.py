@@ -28,6 +28,9 @@ class DeviceMemory:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def reserved_peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 

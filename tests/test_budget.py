@@ -345,6 +345,34 @@ def test_planned_steps_whose_forward_computes_slower_with_copies_learn_their_cos
         assert_same_grads(s["grads"], reference_grads(x))
 
 
+def test_planned_steps_whose_allocator_reserves_past_the_plans_aim_move_the_plan_towards_memory() -> None:
+    """A hard cap counts the allocator's reserved bytes: a planned step that reserved past what plans aim for (the
+    budget less its margin) came that close to failing, whatever it allocated, and the plan moves towards memory by
+    that much; reserving below the aim moves nothing."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    memory = FakeMemory(base=0, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    engine = planned_engine(act * 2, memory, model, sim)
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    first = planner.plan
+    memory.reserved_peak = lambda: planner.plan_budget  # type: ignore[attr-defined]
+    run_steps(engine, model, x, 2)
+    assert (planner.plan.offload_bytes, planner.plan.checkpoint_blocks) == (
+        first.offload_bytes,
+        first.checkpoint_blocks,
+    )
+    memory.reserved_peak = lambda: memory.peak() + act // 4  # type: ignore[attr-defined]
+    steps = run_steps(engine, model, x, 3)
+    assert planner.plan.offload_bytes > first.offload_bytes or planner.plan.checkpoint_blocks > first.checkpoint_blocks
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
+
+
 def test_later_steps_correct_the_model_only_towards_memory() -> None:
     """Later steps measure their peak again: a heavier step (here a larger loss transient) makes the plan offload
     more and brings the peak back under the budget; a lighter step never relaxes it (under a hard cap the next step
