@@ -11,8 +11,13 @@ because the optimizer allocates its state in the first step. From that profile
 the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
 nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
 relaxed on a lighter step can pass a hard cap on the next); a step whose compute ran faster than measured corrects
-the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model
-(also only one way: towards checkpointing).
+the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model,
+and two steps in a row whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one
+way: towards checkpointing); a step whose allocator reserved past what plans aim for counts as that much heavier.
+
+The measuring steps also note where backward leaves the head (the loss's and the head's saved bytes, used first): the
+peak up to there and what is allocated then. Plans then count the step's two peaks apart (the loss's backward, the
+blocks' backward), and planned steps fetch nothing ahead while backward is in the head.
 
 Torch only: no Lightning import.
 """
