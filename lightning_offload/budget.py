@@ -177,15 +177,16 @@ class BudgetPlanner:
         self._backward_end_peak = self.memory.peak()
         self._backward_peak = max(self._backward_peak, self._backward_end_peak)
 
-    def head_start(self, forward_end: int) -> int | None:
-        """The position where the head's saved bytes begin in the forward that ended at ``forward_end`` (backward
-        fetches nothing ahead above it); ``None``: nothing is held back.
+    def head_start(self, forward_start: int, forward_end: int) -> int | None:
+        """The position where the head's saved bytes begin in the forward that saved ``[forward_start, forward_end)``
+        (backward fetches nothing ahead above it); ``None``: nothing is held back.
 
-        A measuring step reads it from where its last block ended; a planned step from its profile, when the plan was
-        made with the head's backward apart (:attr:`StepProfile.two_peaks`)."""
+        A measuring step reads it from where its last block ended (in this forward: a step that ran forward twice
+        before its backward holds nothing back); a planned step from its profile, when the plan was made with the
+        head's backward apart (:attr:`StepProfile.two_peaks`)."""
         if self._measuring:
             end = self._blocks.last_end()
-            self._head_bytes = forward_end - end if 0 < end < forward_end else 0
+            self._head_bytes = forward_end - end if forward_start < end < forward_end else 0
             return end if self._head_bytes else None
         p = self.profile
         if self.plan is None or p is None or not p.two_peaks:

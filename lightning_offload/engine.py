@@ -287,7 +287,7 @@ class OffloadEngine:
             self._transfer.backward_started(saved)
             if self.planner is not None:
                 self.planner.backward_started()
-                self._inbound.hold_above = self.planner.head_start(self._log.position)
+                self._inbound.hold_above = self.planner.head_start(self._log.position - saved, self._log.position)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self._inbound.add_forward(offloaded)
 

@@ -548,6 +548,22 @@ def test_planner_unit_without_engine() -> None:
     assert planner.budget == default_budget(100 * GiB)
 
 
+def test_the_head_is_where_this_forwards_last_block_ended() -> None:
+    """A measuring step holds back copies above where its forward's last block ended; a forward whose blocks all ran
+    in an earlier forward (twice forward before one backward) holds nothing back."""
+    planner = BudgetPlanner(GiB, PeakCounter(), Stack())
+    position = 100
+    planner.begin_step(lambda: position)
+    assert planner.measuring
+    model = planner._blocks._model
+    assert model is not None
+    model(torch.randn(4, WIDTH)).backward()  # the blocks' hooks mark positions (all 100 here)
+    planner._blocks._marks = {key: (start, 200, nbytes) for key, (start, _, nbytes) in planner._blocks._marks.items()}
+    assert planner.head_start(50, 300) == 200
+    assert planner.head_start(250, 300) is None
+    planner.remove()
+
+
 def test_expandable_segments_switched_on_unless_the_user_configured_the_allocator(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
