@@ -124,9 +124,8 @@ class BudgetPlanner:
         self.step = 0  # steps begun
         self._link_share = 1.0  # what planned steps taught (see waited_for_copies)
         self._copy_ms_per_gib = 0.0  # what planned steps taught (see forward_computed)
-        self._slow_forward: tuple[int, float] | None = (
-            None  # the latest planned step whose forward ran slow, by how much
-        )
+        # The latest planned step whose forward computed slow, and by how much (see forward_computed).
+        self._slow_forward: tuple[int, float] | None = None
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
         self._plan_since: int | None = None  # the first step that ran the current plan
         self.forward_peak = 0  # the latest step's peak when its backward began (forward's, the loss's included)
