@@ -36,7 +36,7 @@ from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.planned_blocks import PlannedBlocks
+from lightning_offload.planned_blocks import BlockSizes, PlannedBlocks
 from lightning_offload.schedule import (
     REBUILD_SHARE,
     Plan,
@@ -357,7 +357,7 @@ class BudgetPlanner:
             **extra,
         )
 
-    def _two_peak_fields(self, peak: int, unrebuilt_peak: int, sizes: Any) -> dict[str, int]:
+    def _two_peak_fields(self, peak: int, unrebuilt_peak: int, sizes: BlockSizes) -> dict[str, int]:
         """What the measuring step said of its backward's two parts (:class:`StepProfile`'s ``head_*``, ``rest_peak``
         and ``optimizer_peak``); none where backward never left the head the engine knew of."""
         if not (self._head_bytes and self._head_peak):
@@ -381,6 +381,14 @@ class BudgetPlanner:
         if len(self._pinning_steps) > 64:
             self._pinning_steps = set(sorted(self._pinning_steps)[-32:])
 
+    def _ran_current_offload(self, step: int) -> bool:
+        """Whether step ``step`` ran the current plan, and that plan offloads: what such a step's timing says is
+        the copies' doing. A step that pinned host buffers says nothing (pinning delays the copies behind it, 0.4 s
+        per GiB on an H200)."""
+        if self.plan is None or self.profile is None or self._plan_since is None or step < self._plan_since:
+            return False
+        return step not in self._pinning_steps and self.plan.offload_bytes > 0
+
     def forward_computed(self, step: int, compute_ms: float) -> None:
         """Step ``step``'s forward computed for ``compute_ms`` (its waits for copies excluded). Where it and the step
         before it ran the current plan, offloaded bytes and computed clearly slower than the measured forward, copies
@@ -388,9 +396,7 @@ class BudgetPlanner:
         so plans move towards checkpointing and never back and forth). On an H200, Llama-1B's forward took 83 ms
         instead of 57 with 2.2 GiB of copies that the link model called hidden."""
         plan, profile = self.plan, self.profile
-        if plan is None or profile is None or self._plan_since is None or step < self._plan_since:
-            return
-        if step in self._pinning_steps or not plan.offload_bytes:
+        if not self._ran_current_offload(step) or plan is None or profile is None:
             return
         slower = compute_ms - profile.forward_ms
         if slower <= max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * profile.forward_ms):
@@ -420,11 +426,7 @@ class BudgetPlanner:
         the link than measured alone: lower the link's share in the model to what explains the wait, and plan again
         (only ever lower, so plans move towards checkpointing and never back and forth)."""
         plan, profile = self.plan, self.profile
-        if plan is None or profile is None or self._plan_since is None or step < self._plan_since:
-            return
-        if step in self._pinning_steps:
-            return  # it pinned host buffers, which delays the copies behind them: not the link's pace
-        if not plan.offload_bytes:
+        if not self._ran_current_offload(step) or plan is None or profile is None:
             return
         predicted = offload_cost_ms(profile, plan)
         noise = max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))

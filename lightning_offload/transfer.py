@@ -138,7 +138,6 @@ class StreamedTransfer:
         self.last_backward_ms = 0.0
         self._backward: TimedPass | None = None  # a backward being timed, or ended and not read yet
         self.step = 0
-        self._forward_stall: tuple[int, float] | None = None  # (step, ms) of the latest forward read
         self.last_stalls: tuple[int, float] | None = None
         self.last_forward: tuple[int, float] | None = None
 
@@ -232,9 +231,9 @@ class StreamedTransfer:
             return
         self._backward = None
         self.last_backward_ms = timed.compute_ms()
-        forward = self._forward_stall
+        forward = self.last_forward
         if forward is not None and forward[0] == timed.step:
-            self.last_stalls = (timed.step, forward[1] + timed.stalled_ms())
+            self.last_stalls = (timed.step, self.last_forward_ms - forward[1] + timed.stalled_ms())
         self.link.observe_backward(timed.saved, self.last_backward_ms, self.link_rate)
 
     def backward_ms(self) -> float:
@@ -277,7 +276,6 @@ class StreamedTransfer:
         self._forward = None
         self.last_forward_ms = timed.begin.elapsed_time(timed.end)  # type: ignore[arg-type]
         self.last_compute_ms = timed.compute_ms()
-        self._forward_stall = (timed.step, self.last_forward_ms - self.last_compute_ms)
         self.last_forward = (timed.step, self.last_compute_ms)
         # Compute's pace, not one slowed by waits for earlier copies: a forward that waited would otherwise teach
         # the model that copies finish early, place the next waits earlier still, and wait more (measured on an
