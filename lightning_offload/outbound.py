@@ -183,6 +183,13 @@ class OutboundQueue:
                 return
             self._let_go(self.inflight.popleft(), wait)
 
+    def let_go_all(self) -> None:
+        """Let go of every source still being copied out (device-side waits): forward reached the head, whose
+        transient (the logits, the loss) comes on top of whatever the device still holds. A memory-budget plan
+        counts these copies done by then; where the link is behind, compute waits for it here, once."""
+        while self.inflight:
+            self._let_go(self.inflight.popleft(), self._transfer.wait)
+
     def retire(self) -> None:
         """Let go of sources whose copies the device reports done."""
         inflight = self.inflight

@@ -261,13 +261,18 @@ class Plan:
 
 @dataclass(frozen=True)
 class OffloadChoice:
-    """Offloading ``nbytes`` of a forward: how much lower the peak gets, what it costs, the in-flight bound used."""
+    """Offloading ``nbytes`` of a forward: how much lower the peak gets, what it costs, the in-flight bound used.
+
+    ``forward_relief`` is how much lower forward's own peak gets, where it differs from ``relief`` (``None``: it does
+    not): copies let go of at the head lower the loss's and the blocks' backward, not a peak forward reached before.
+    """
 
     nbytes: int
     relief: int
     cost_ms: float
     inflight_cap: int | None
     prefetch_cap: int | None = None
+    forward_relief: int | None = None
 
 
 class OffloadModel:
@@ -277,24 +282,27 @@ class OffloadModel:
     The peak is at the end of forward (where the loss's transient comes on top of every kept activation) or early in
     backward. Two ways to offload:
 
-    * *Unbounded*: copies out lag behind forward as far as they need, so forward never waits; what the link has not
-      moved by the end of forward (``HIDDEN_SHARE`` of forward's time) is still on the device at the peak.
+    * *Unbounded*: copies out lag behind forward as far as they need, so forward never waits for the throttle; what the
+      link has not moved by the end of forward (``HIDDEN_SHARE`` of forward's time) is still on the device then.
     * *Throttled* at ``inflight_cap``: forward waits whenever more than the cap lags behind, so only the cap is left
-      at the peak, at the price of forward waiting for the link while it saves the offloaded bytes.
+      at the end of forward, at the price of forward waiting for the link while it saves the offloaded bytes.
+
+    With ``released_at_head`` (the profile knows where the head begins), the engine lets go of every copy still in
+    flight when forward reaches the head, the compute stream waiting for those the link has not finished: the loss's
+    and the blocks' backward hold none of them, and what forward did not hide shows as a wait instead. Without it,
+    the relief is net of the bytes fetched ahead as well (one peak, which may be where prefetching runs).
 
     Either way, backward must bring the bytes back: what its compute cannot hide shows as time, and copies fetched
     ahead of need may be on the device at the peak (up to ``prefetch_bytes``).
     """
 
     def __init__(
-        self, profile: StepProfile, eligible: int, frugal: int = FRUGAL_CAP, counts_fetched: bool = True
+        self, profile: StepProfile, eligible: int, frugal: int = FRUGAL_CAP, released_at_head: bool = False
     ) -> None:
         self.p = profile
         self.eligible = eligible
         self.frugal = frugal  # the in-flight and prefetch bound of the most frugal offload
-        # Whether the relief is net of the bytes fetched ahead (one peak); without, they are counted where they meet
-        # the peak (the blocks' backward: the engine fetches nothing ahead during the head's)
-        self.counts_fetched = counts_fetched
+        self.released_at_head = released_at_head
         self.link = max(profile.link_bytes_per_ms * profile.link_share, 1e-9)
         self.backward_ms = profile.backward_ms or 2 * profile.forward_ms
         self.hidden_out = HIDDEN_SHARE * profile.forward_ms * self.link  # bytes copied out behind forward
@@ -305,44 +313,63 @@ class OffloadModel:
         uneven, and a peak under-predicted fails under a hard cap)."""
         return min(max(0, nbytes), self.p.prefetch_bytes if prefetch is None else prefetch)
 
-    def _fetched_at_peak(self, nbytes: int, prefetch: int | None = None) -> int:
-        return self.fetched_ahead(nbytes, prefetch) if self.counts_fetched else 0
-
     def _way_back_ms(self, nbytes: int) -> float:
         return max(0.0, nbytes / self.link - HIDDEN_SHARE * self.backward_ms)
 
+    def _choice(
+        self, nbytes: int, lagging: int, cost_ms: float, cap: int | None, prefetch: int | None = None
+    ) -> OffloadChoice:
+        """``lagging``: bytes whose copies are still on their way out at the end of forward."""
+        if not self.released_at_head:
+            relief = nbytes - lagging - self.fetched_ahead(nbytes, prefetch)
+            return OffloadChoice(nbytes, relief, cost_ms, cap, prefetch)
+        # The compute stream waits at the head for the lagging copies: what the rest of forward did not hide shows.
+        return OffloadChoice(nbytes, nbytes, cost_ms + lagging / self.link, cap, prefetch, nbytes - lagging)
+
     def unbounded(self, nbytes: int) -> OffloadChoice:
-        relief = min(nbytes, int(self.hidden_out)) - self._fetched_at_peak(nbytes)
-        return OffloadChoice(nbytes, relief, self._way_back_ms(nbytes), None)
+        lagging = max(0, nbytes - int(self.hidden_out))
+        return self._choice(nbytes, lagging, self._way_back_ms(nbytes), None)
 
     def throttled(self, nbytes: int, cap: int, prefetch: int | None = None) -> OffloadChoice:
         """``prefetch``: a bound on bytes fetched ahead below the configured one (``None``: the configured one)."""
-        relief = nbytes - min(nbytes, cap) - self._fetched_at_peak(nbytes, prefetch)
         # Forward saves the offloaded bytes in its first nbytes/eligible share; the link must keep within the cap.
         saving_ms = self.p.forward_ms * nbytes / max(1, self.eligible)
         waiting_ms = max(0.0, (nbytes - cap) / self.link - saving_ms)
         back_ms = self._way_back_ms(nbytes)
         if prefetch is not None:  # with little fetched ahead, most of the way back waits for the link
             back_ms = max(back_ms, nbytes / self.link - self.backward_ms / 2)
-        return OffloadChoice(nbytes, relief, waiting_ms + back_ms, cap, prefetch)
+        # The cap's worth still on its way out as forward goes on; the rest of forward hides some of it.
+        rest_ms = self.p.forward_ms - saving_ms
+        in_flight = min(nbytes, cap)
+        if not self.released_at_head:
+            return self._choice(nbytes, in_flight, waiting_ms + back_ms, cap, prefetch)
+        lagging = max(0, int(in_flight - HIDDEN_SHARE * rest_ms * self.link))
+        # Forward's own peak may come before the head, with the whole cap in flight.
+        return replace(
+            self._choice(nbytes, lagging, waiting_ms + back_ms, cap, prefetch), forward_relief=nbytes - in_flight
+        )
 
-    def cheapest(self, excess: int, movable: int) -> OffloadChoice | None:
-        """The cheapest way to lower the peak by ``excess`` bytes offloading at most ``movable``; ``None``: none
-        does (then :meth:`most_frugal`)."""
+    def cheapest(self, excess: int, movable: int, forward_excess: int = 0) -> OffloadChoice | None:
+        """The cheapest way to lower the backward peaks by ``excess`` bytes and forward's by ``forward_excess``,
+        offloading at most ``movable``; ``None``: none does (then :meth:`most_frugal`)."""
         choices = []
         cap = self.p.inflight_cap
         # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
-        for nbytes in (excess, excess + self.p.prefetch_bytes):
+        for nbytes in (excess, excess + self.p.prefetch_bytes, forward_excess):
             nbytes = min(movable, nbytes)
             if not self.p.inflight_fixed:
                 choices.append(self.unbounded(nbytes))
             choices.append(self.throttled(min(movable, nbytes + cap), cap))
-        fitting = [c for c in choices if c.relief >= excess]
+        fitting = [c for c in choices if c.relief >= excess and _forward_relief(c) >= forward_excess]
         return min(fitting, key=lambda c: (c.cost_ms, c.nbytes)) if fitting else None
 
     def most_frugal(self, movable: int) -> OffloadChoice:
         """Everything movable leaves, with little in flight either way: the least peak, whatever it costs."""
         return self.throttled(movable, min(self.p.inflight_cap, self.frugal), min(self.p.prefetch_bytes, self.frugal))
+
+
+def _forward_relief(choice: OffloadChoice) -> int:
+    return choice.relief if choice.forward_relief is None else choice.forward_relief
 
 
 def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
@@ -378,8 +405,8 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     for k in range(profile.blocks + 1):
         eligible = _eligible(profile, k)
         if profile.two_peaks:
-            head_kept, blocks_kept = _two_peaks(profile, k, eligible)
-            kept_peak = max(head_kept, blocks_kept, profile.optimizer_peak)
+            phases = _phase_peaks(profile, k, eligible)
+            kept_peak = max(phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
         else:
             # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
             kept_peak = fixed + eligible + profile.block_bytes if k else fixed_unrebuilt + eligible
@@ -387,17 +414,20 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
         if excess <= 0:
             candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))
             continue
-        model = OffloadModel(profile, eligible, frugal_cap(budget), counts_fetched=not profile.two_peaks)
+        model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
         movable = max(0, eligible - profile.tail)
+        forward_excess = 0
         if profile.two_peaks:  # the blocks' backward holds the bytes fetched ahead as well
-            excess = max(head_kept, blocks_kept + profile.prefetch_bytes) - budget
-        choice = model.cheapest(excess, movable)
+            excess = max(phases.head, phases.blocks + profile.prefetch_bytes) - budget
+            forward_excess = phases.forward - budget
+        choice = model.cheapest(excess, movable, forward_excess)
         if choice is None:
             choice = model.most_frugal(movable)
         if profile.two_peaks:
             fetched = model.fetched_ahead(choice.nbytes, choice.prefetch_cap)
+            backward = max(phases.head, phases.blocks + fetched) - max(0, choice.relief)
             # Offloading lowers neither the optimizer's peak (activations are gone by then) nor what stays.
-            peak = max(max(head_kept, blocks_kept + fetched) - max(0, choice.relief), profile.optimizer_peak)
+            peak = max(phases.forward - max(0, _forward_relief(choice)), backward, profile.optimizer_peak)
         else:
             peak = kept_peak - max(0, choice.relief)
         cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
@@ -411,17 +441,36 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
 REBUILD_SHARE = 1.5
 
 
-def _two_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> tuple[int, int]:
-    """The step's two peaks before any offloading, with ``eligible`` bytes saved and ``checkpointed`` blocks: the
-    head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt) and the
-    blocks' backward (the loss's transient gone, a block rebuilt when any is checkpointed; bytes fetched ahead are
-    added by the caller). The head's own saved bytes are counted in the second too: what backward frees of them is
-    room the engine fetches into."""
-    held = max(0, profile.resident - profile.head_bytes)  # activations the measured step still held past the head
-    head = profile.head_peak - profile.resident + eligible
+@dataclass(frozen=True)
+class PhasePeaks:
+    """A step's peaks before any offloading, phase by phase (see :func:`_phase_peaks`)."""
+
+    forward: int
+    head: int
+    blocks: int
+
+
+def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> PhasePeaks:
+    """The step's peaks before any offloading, with ``eligible`` bytes saved and ``checkpointed`` blocks:
+
+    * forward's (every activation kept before the head, the loss's forward transient);
+    * the head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt);
+    * the blocks' backward (the loss's transient gone, a block rebuilt when any is checkpointed; bytes fetched ahead
+      are added by the caller). The head's own saved bytes are counted here too: what backward frees of them is room
+      the engine fetches into.
+
+    The measured step had the head's saved bytes on the device at its head's peak whether it kept them or offloaded
+    them (the loss's backward needs them first: they come straight back), and made them at its forward's peak (the
+    loss's log-probabilities are its output): both peaks hold them once, not again as kept activations. (Counting them
+    twice over-predicted Llama-1B's planned peaks by the loss's 4 GiB on an H200.)
+    """
+    held = max(0, profile.resident - profile.head_bytes)  # activations the measured step held besides the head's
+    before_head = eligible - profile.head_bytes
+    forward = profile.forward_peak - held + before_head if profile.forward_peak else 0
+    head = profile.head_peak - held + before_head
     rebuilt = int(REBUILD_SHARE * profile.block_bytes) if checkpointed else 0
     blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible
-    return head, blocks
+    return PhasePeaks(forward, head, blocks)
 
 
 def _eligible(profile: StepProfile, checkpointed: int) -> int:
@@ -433,7 +482,7 @@ def offload_cost_ms(profile: StepProfile, plan: Plan) -> float:
     """What ``plan``'s offloading costs per step by the model of ``profile`` (its recompute not included)."""
     if not plan.offload_bytes:
         return 0.0
-    model = OffloadModel(profile, _eligible(profile, plan.checkpoint_blocks))
+    model = OffloadModel(profile, _eligible(profile, plan.checkpoint_blocks), released_at_head=profile.two_peaks)
     if plan.inflight_cap is None:
         return model.unbounded(plan.offload_bytes).cost_ms
     return model.throttled(plan.offload_bytes, plan.inflight_cap, plan.prefetch_cap).cost_ms

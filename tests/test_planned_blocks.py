@@ -65,3 +65,40 @@ def test_sizes_of_a_watched_forward_measure_full_and_checkpointed_blocks() -> No
     assert (sizes.count, sizes.checkpointed, sizes.block_bytes, sizes.input_bytes) == (4, 3, 5 * row, row)
     assert blocks.compute_ms() == 0.0  # no clock: not timed
     blocks.remove()
+
+
+def test_all_but_one_leaves_the_second_block_in_full() -> None:
+    """The first block's input often needs no gradient (a frozen embedding under LoRA), so it saves less than a
+    typical block: the one block a frugal measuring step runs in full is the second."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_all_but_one()
+    assert checkpointed_modules(model) == ["blocks.0", "blocks.2", "blocks.3"]
+    blocks.checkpoint_last(0)
+    assert checkpointed_modules(model) == []
+    single = nn.Sequential(nn.ModuleList([Block()]))
+    lone = PlannedBlocks(single)
+    lone.checkpoint_all_but_one()
+    assert checkpointed_modules(single) == []  # one block: it runs in full
+
+
+def test_after_last_block_fires_once_per_forward_never_in_a_recompute() -> None:
+    """The callback marks where forward reaches the head; a checkpointed last block's recompute in backward is not a
+    forward, and removing the planner's blocks removes the hook."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(2)
+    calls = []
+    blocks.after_last_block(lambda: calls.append(torch.is_grad_enabled()))
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    model(x).backward()
+    assert calls == [True]
+    model(x).backward()
+    assert len(calls) == 2
+    blocks.after_last_block(None)
+    model(x).backward()
+    assert len(calls) == 2
+    blocks.after_last_block(lambda: calls.append(False))
+    blocks.remove()
+    model(x).backward()
+    assert len(calls) == 2 and not model.blocks[-1]._forward_hooks

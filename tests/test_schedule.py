@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -192,6 +193,56 @@ def test_where_the_blocks_backward_is_the_higher_peak_it_counts_the_rebuilt_bloc
     assert all(measured[k].peak == 31 * GiB - held + 10 * GiB - k * (GiB - 64 * MiB) for k in range(11))
     floor = plan_candidates(profile(**flat, optimizer_peak=25 * GiB), 22 * GiB)
     assert all(candidate.peak >= 25 * GiB and not candidate.fits for candidate in floor)
+
+
+def test_a_frugal_measuring_step_and_one_that_kept_everything_predict_the_same_plans() -> None:
+    """The head's saved bytes (the loss's log-probabilities, 4 GiB) are on the device at the loss's backward whether
+    the measured step kept them or offloaded them (they come straight back: the loss's backward needs them first),
+    and forward's peak makes them. A step that offloaded everything (nothing resident) and one that kept everything
+    measure the same peaks, so they must predict the same: counting the head's bytes again as kept activations
+    over-predicted every plan of Llama-1B by the loss's 4 GiB on an H200."""
+    head = 4 * GiB
+    # Leaving the head, the loss's transient and the head's bytes are gone: 20 GiB of weights and state, and the 6 GiB
+    # of activations saved before the head where they were kept.
+    kept = profile(peak=34 * GiB, forward_peak=32 * GiB, head_bytes=head, head_peak=34 * GiB, backward_base=26 * GiB)
+    # The frugal step: the loss's 4 GiB transient on top of the 4 GiB it fetched back, and nothing else kept.
+    frugal = replace(kept, resident=0, peak=28 * GiB, forward_peak=26 * GiB, head_peak=28 * GiB, backward_base=20 * GiB)
+    assert plan_candidates(frugal, 100 * GiB) == plan_candidates(kept, 100 * GiB)
+    assert plan_candidates(frugal, 100 * GiB)[0].peak == 34 * GiB  # nothing to offload: the kept step's own peak
+    for budget in (31 * GiB, 29 * GiB, 25 * GiB):
+        assert plan_for_budget(frugal, budget) == plan_for_budget(kept, budget)
+
+
+def test_copies_let_go_of_at_the_head_relieve_the_backward_peaks_fully_at_the_price_of_a_wait() -> None:
+    """Where the head is known, the engine lets go of every copy still in flight as forward reaches it (the compute
+    stream waits for the link there): the loss's backward holds none of them. Forward hides ~3.9 GiB, so offloading
+    6 GiB unbounded relieves all 6 GiB and costs the ~2.1 GiB the link still had to move when forward reached the
+    head; forward's own peak, which may come before the head, is relieved only by what the link moved."""
+    two = profile(head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=27 * GiB)
+    model = OffloadModel(two, eligible=10 * GiB, released_at_head=True)
+    hidden = int(HIDDEN_SHARE * 100.0 * 50 * MiB)
+    choice = model.unbounded(6 * GiB)
+    assert choice.relief == 6 * GiB and choice.forward_relief == hidden
+    assert choice.cost_ms == pytest.approx((6 * GiB - hidden) / (50 * MiB))
+    small = model.unbounded(2 * GiB)
+    assert (small.relief, small.forward_relief, small.cost_ms) == (2 * GiB, 2 * GiB, 0.0)  # hidden: free
+    throttled = model.throttled(6 * GiB, 512 * MiB)
+    assert throttled.relief == 6 * GiB and throttled.forward_relief == 6 * GiB - 512 * MiB
+    # Forward saves the 6 GiB in 60 ms and waits there for all but the cap; the cap's copies hide in the last 40 ms.
+    assert throttled.cost_ms == pytest.approx((6 * GiB - 512 * MiB) / (50 * MiB) - 60.0)
+
+
+def test_forwards_own_peak_bounds_the_plan_where_it_is_the_highest() -> None:
+    """A measured forward peak above the loss's backward (a small loss, a large forward transient) is counted with
+    every activation kept before the head; offloading lowers it only by what left before it."""
+    flat = dict(head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=20 * GiB - 256 * MiB)
+    high = profile(**flat, forward_peak=32 * GiB)
+    assert plan_candidates(high, 100 * GiB)[0].peak == 32 * GiB
+    low = profile(**flat, forward_peak=29 * GiB)
+    assert plan_candidates(low, 100 * GiB)[0].peak == 30 * GiB
+    plan = plan_for_budget(high, 27 * GiB)
+    assert plan.fits and plan.peak <= 27 * GiB
+    assert plan_for_budget(low, 27 * GiB).extra_ms <= plan.extra_ms  # 2 GiB more to lower, at no lower cost
 
 
 def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
