@@ -160,6 +160,10 @@ class _Clock:
         return (t[1] - t[0], t[2] - t[1], t[3] - t[2])
 
 
+def _alloc_retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def measure_link(device: torch.device, nbytes: int = GiB, reps: int = 3) -> dict[str, float] | None:
     """Pinned host <-> device bandwidth in GB/s: each way alone and both at once (on two streams)."""
     if device.type != "cuda":
@@ -464,6 +468,7 @@ class Runner:
             timed = index >= warmup
             if index == warmup and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
+                flushes_before = _alloc_retries(self.device)
             clock = _Clock(self.device)
             _sync(self.device)
             start = time.perf_counter()
@@ -504,6 +509,8 @@ class Runner:
         if self.cuda:
             row["peak_alloc_gib"] = torch.cuda.max_memory_allocated(self.device) / GiB
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
+            # How often the allocator found the device (or the row's cap) full and flushed its cache, per timed step.
+            row["alloc_flushes_per_step"] = (_alloc_retries(self.device) - flushes_before) / steps
         if engine_rows:
             row["engine"] = {key: statistics.median(r[key] for r in engine_rows) for key in engine_rows[0]}
         planner = getattr(engine, "planner", None)

@@ -132,6 +132,7 @@ class BudgetPlanner:
         # The latest step's backward as it left the head (the loss's and the head's saved bytes, run first): the head's
         # bytes, the peak so far and the bytes allocated then; the peak as backward ended.
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
+        self._retries_at_start = 0  # the allocator's cache flushes as the step began
 
     @property
     def measuring(self) -> bool:
@@ -213,6 +214,7 @@ class BudgetPlanner:
         self._backward_peak = 0
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
+        self._retries_at_start = self._alloc_retries()
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
@@ -280,18 +282,26 @@ class BudgetPlanner:
             # Only a rise moves the plan (towards memory): a plan relaxed on a lighter step can pass a hard cap on the
             # next (measured on an H200), so plans approach the budget from below only.
             error = peak - plan.peak
-            if error > self.budget * _REPLAN_SHARE or peak > self.budget:
-                p = dataclasses.replace(p, peak=p.peak + max(error, peak - self.budget))
-                self.profile, changed = p, True
-            else:
-                changed = False
+            heavier = max(error, peak - self.budget) if error > self.budget * _REPLAN_SHARE or peak > self.budget else 0
             # A hard cap counts reserved bytes: a step whose allocator reserved past what plans aim for came that
             # close to failing, whatever it allocated (on an H200, a plan checkpointing 9 of 12 blocks reserved 14.4
             # GiB for a 13.0 GiB peak, and ran out of memory under a 14.8 GiB cap).
-            over = self._reserved_peak() - self.plan_budget
-            if over > 0:
-                self.profile = p = dataclasses.replace(p, peak=p.peak + over)
-                changed = True
+            heavier = max(heavier, self._reserved_peak() - self.plan_budget)
+            # A step whose allocator found the cap full and flushed its cache to go on came closer still, and paid
+            # for it (a device synchronization, and the blocks allocated again).
+            retries = self._alloc_retries()
+            if retries > self._retries_at_start:
+                heavier = max(heavier, int(self.budget * _REPLAN_SHARE))
+                _log.info(
+                    "memory_budget=%.2f GiB: the allocator flushed its cache %d time(s) in a planned step to stay "
+                    "within the device's memory; planning %.2f GiB lower",
+                    self.budget / GiB,
+                    retries - self._retries_at_start,
+                    heavier / GiB,
+                )
+            changed = heavier > 0
+            if changed:
+                self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
             # Compute time only falls: a measuring step can be slowed by what only it does (pinning host memory
             # for its copies, starting after a host synchronization), so a later, faster step is the truer pace.
             if 0 < forward_ms < 0.9 * p.forward_ms:
@@ -307,6 +317,11 @@ class BudgetPlanner:
         """The allocator's reserved peak since the counters were reset (0: the counters have none)."""
         reserved_peak = getattr(self.memory, "reserved_peak", None)
         return reserved_peak() if reserved_peak is not None else 0
+
+    def _alloc_retries(self) -> int:
+        """The allocator's count of cache flushes to make room (0: the counters have none)."""
+        retries = getattr(self.memory, "alloc_retries", None)
+        return retries() if retries is not None else 0
 
     def _measured_profile(
         self,
@@ -458,7 +473,7 @@ class BudgetPlanner:
             self._plan_since = None
             text = f"memory_budget={self.budget / GiB:.2f} GiB: {plan.describe(self.budget)}"
             if not plan.fits:
-                fixed = self.profile.peak - self.profile.resident
+                fixed = self.profile.peak + self.profile.correction - self.profile.resident
                 text += (
                     f". Even the most frugal plan needs {plan.peak / GiB:.2f} GiB: weights, gradients and optimizer "
                     f"state take {self._base / GiB:.2f} GiB and the step's other transients (the loss and logits "

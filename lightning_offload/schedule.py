@@ -17,7 +17,7 @@ device-side wait (free when the copy is done). These positions are what the mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 # Wait a little later than the model says: a wait that comes too early stalls compute, one too late only holds
@@ -187,6 +187,8 @@ class StepProfile:
             everything before it (0: it did not). No plan changes it: activations are gone by then.
         copy_ms_per_gib: how much slower forward's compute ran per GiB offloaded in planned steps (copies share the
             device's memory and the host's time with compute), waits excluded; learnt by :class:`BudgetPlanner`.
+        correction: bytes planned steps needed beyond their plans' predictions (peaks above them, reserved bytes past
+            what plans aim for): added to every plan's peak; learnt by :class:`BudgetPlanner`, only ever higher.
     """
 
     peak: int
@@ -212,6 +214,7 @@ class StepProfile:
     rest_peak: int = 0
     optimizer_peak: int = 0
     copy_ms_per_gib: float = 0.0
+    correction: int = 0
 
     @property
     def two_peaks(self) -> bool:
@@ -349,18 +352,20 @@ class OffloadModel:
             self._choice(nbytes, lagging, waiting_ms + back_ms, cap, prefetch), forward_relief=nbytes - in_flight
         )
 
-    def cheapest(self, excess: int, movable: int, forward_excess: int = 0) -> OffloadChoice | None:
-        """The cheapest way to lower the backward peaks by ``excess`` bytes and forward's by ``forward_excess``,
-        offloading at most ``movable``; ``None``: none does (then :meth:`most_frugal`)."""
+    def cheapest(
+        self, needed: Sequence[int], movable: int, peak_of: Callable[[OffloadChoice], int], budget: int
+    ) -> OffloadChoice | None:
+        """The cheapest offload of at most ``movable`` bytes whose ``peak_of`` stays within ``budget``, trying the
+        ``needed`` reliefs (each unbounded, and throttled with the cap on top); ``None``: none fits (then
+        :meth:`most_frugal`)."""
         choices = []
         cap = self.p.inflight_cap
-        # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
-        for nbytes in (excess, excess + self.p.prefetch_bytes, forward_excess):
-            nbytes = min(movable, nbytes)
+        for nbytes in needed:
+            nbytes = min(movable, max(0, nbytes))
             if not self.p.inflight_fixed:
                 choices.append(self.unbounded(nbytes))
             choices.append(self.throttled(min(movable, nbytes + cap), cap))
-        fitting = [c for c in choices if c.relief >= excess and _forward_relief(c) >= forward_excess]
+        fitting = [c for c in choices if peak_of(c) <= budget]
         return min(fitting, key=lambda c: (c.cost_ms, c.nbytes)) if fitting else None
 
     def most_frugal(self, movable: int) -> OffloadChoice:
@@ -397,9 +402,9 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
 def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
     fits): what :func:`plan_for_budget` chooses from, listed for diagnosis."""
-    fixed = profile.peak - profile.resident
+    fixed = profile.peak + profile.correction - profile.resident
     # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak had taken for the block.
-    fixed_unrebuilt = max(profile.peak, profile.unrebuilt_peak) - profile.resident
+    fixed_unrebuilt = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     candidates = []
     for k in range(profile.blocks + 1):
@@ -416,23 +421,48 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
             continue
         model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
         movable = max(0, eligible - profile.tail)
-        forward_excess = 0
-        if profile.two_peaks:  # the blocks' backward holds the bytes fetched ahead as well
-            excess = max(phases.head, phases.blocks + profile.prefetch_bytes) - budget
-            forward_excess = phases.forward - budget
-        choice = model.cheapest(excess, movable, forward_excess)
+        # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
+        needed = [excess, excess + profile.prefetch_bytes]
+        if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead
+            peak_of = _two_peak_offloaded(profile, phases, model, eligible)
+            needed[1] = max(phases.forward, phases.head, phases.blocks + profile.prefetch_bytes) - budget
+        else:
+            peak_of = _one_peak_offloaded(kept_peak)
+        choice = model.cheapest(needed, movable, peak_of, budget)
         if choice is None:
             choice = model.most_frugal(movable)
-        if profile.two_peaks:
-            fetched = model.fetched_ahead(choice.nbytes, choice.prefetch_cap)
-            backward = max(phases.head, phases.blocks + fetched) - max(0, choice.relief)
-            # Offloading lowers neither the optimizer's peak (activations are gone by then) nor what stays.
-            peak = max(phases.forward - max(0, _forward_relief(choice)), backward, profile.optimizer_peak)
-        else:
-            peak = kept_peak - max(0, choice.relief)
+        peak = peak_of(choice)
         cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
         candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
     return candidates
+
+
+def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:
+    """The peak of a step modelled as one peak of ``kept_peak`` bytes once ``choice`` is offloaded."""
+    return lambda choice: kept_peak - max(0, choice.relief)
+
+
+def _two_peak_offloaded(
+    profile: StepProfile, phases: PhasePeaks, model: OffloadModel, eligible: int
+) -> Callable[[OffloadChoice], int]:
+    """The peak of the step with ``phases`` once ``choice`` is offloaded (the head's backward apart).
+
+    Forward's peak and the head's backward are lowered only by bytes saved before the head: the head's own, where
+    they leave, come straight back for the loss's backward (on an H200, small-h512's plan offloaded 0.25 GiB of its
+    0.5 GiB of log-probabilities and peaked that much above its prediction). The blocks' backward holds the bytes
+    fetched ahead. Offloading lowers neither the optimizer's peak (activations are gone by then) nor what stays."""
+    before_head = max(0, eligible - profile.head_bytes)
+
+    def peak_of(choice: OffloadChoice) -> int:
+        fetched = model.fetched_ahead(choice.nbytes, choice.prefetch_cap)
+        return max(
+            phases.forward - max(0, min(before_head, _forward_relief(choice))),
+            phases.head - max(0, min(before_head, choice.relief)),
+            phases.blocks + fetched - max(0, choice.relief),
+            profile.optimizer_peak,
+        )
+
+    return peak_of
 
 
 # A block rebuilt in the blocks' backward holds its saved bytes again and, while its own backward runs, gradients of
@@ -464,7 +494,8 @@ def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> Phas
     loss's log-probabilities are its output): both peaks hold them once, not again as kept activations. (Counting them
     twice over-predicted Llama-1B's planned peaks by the loss's 4 GiB on an H200.)
     """
-    held = max(0, profile.resident - profile.head_bytes)  # activations the measured step held besides the head's
+    # Activations the measured step held besides the head's, less what planned steps needed beyond the model.
+    held = max(0, profile.resident - profile.head_bytes) - profile.correction
     before_head = eligible - profile.head_bytes
     forward = profile.forward_peak - held + before_head if profile.forward_peak else 0
     head = profile.head_peak - held + before_head

@@ -232,6 +232,20 @@ def test_copies_let_go_of_at_the_head_relieve_the_backward_peaks_fully_at_the_pr
     assert throttled.cost_ms == pytest.approx((6 * GiB - 512 * MiB) / (50 * MiB) - 60.0)
 
 
+def test_offloading_the_heads_own_bytes_does_not_lower_the_losss_backward() -> None:
+    """The head's saved bytes (4 of the 10 GiB here) come straight back for the loss's backward where they leave: only
+    the 6 GiB saved before the head can lower forward's and the head's peaks. A budget that needs 7 GiB off the head's
+    peak is out of reach without checkpointing, whatever leaves (on an H200, small-h512's plan offloaded 0.25 GiB of its
+    log-probabilities and peaked that much above its prediction)."""
+    two = profile(resident=0, blocks=0, tail=0, head_bytes=4 * GiB, head_peak=24 * GiB, backward_base=20 * GiB)
+    # Kept, the head's backward peaks at 24 - 4 + 10 = 30 GiB.
+    assert plan_candidates(two, 100 * GiB)[0].peak == 30 * GiB
+    fits = plan_for_budget(two, 25 * GiB)
+    assert fits.fits and 5 * GiB <= fits.offload_bytes <= 6 * GiB + 512 * MiB
+    out_of_reach = plan_for_budget(two, 23 * GiB)
+    assert not out_of_reach.fits and out_of_reach.peak >= 24 * GiB  # all 10 GiB left, the head's peak lost only 6
+
+
 def test_forwards_own_peak_bounds_the_plan_where_it_is_the_highest() -> None:
     """A measured forward peak above the loss's backward (a small loss, a large forward transient) is counted with
     every activation kept before the head; offloading lowers it only by what left before it."""
