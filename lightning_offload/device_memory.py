@@ -28,6 +28,9 @@ class DeviceMemory:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
     def reserved_peak(self) -> int:
         return torch.cuda.max_memory_reserved(self.device)
 

@@ -316,7 +316,7 @@ class OffloadEngine:
         assert outbound is not None and inbound is not None
         self._log.reached(copy)
         if inbound.left_head(self._log.backward_pos) and self.planner is not None:
-            self.planner.left_head()
+            self.planner.left_head(outbound.inflight_bytes)
         outbound.retire()  # before the version check: a finished copy seals the version it saw
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:

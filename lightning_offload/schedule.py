@@ -423,9 +423,10 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
         movable = max(0, eligible - profile.tail)
         # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
         needed = [excess, excess + profile.prefetch_bytes]
-        if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead
+        if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead, past the head's room
             peak_of = _two_peak_offloaded(profile, phases, model, eligible)
-            needed[1] = max(phases.forward, phases.head, phases.blocks + profile.prefetch_bytes) - budget
+            fetched = max(0, profile.prefetch_bytes - profile.head_bytes)
+            needed[1] = max(phases.forward, phases.head, phases.blocks + fetched) - budget
         else:
             peak_of = _one_peak_offloaded(kept_peak)
         choice = model.cheapest(needed, movable, peak_of, budget)
@@ -454,7 +455,9 @@ def _two_peak_offloaded(
     before_head = max(0, eligible - profile.head_bytes)
 
     def peak_of(choice: OffloadChoice) -> int:
-        fetched = model.fetched_ahead(choice.nbytes, choice.prefetch_cap)
+        # The blocks' backward counts the head's saved bytes as room, used and freed by then: copies fetched ahead
+        # into it add nothing; beyond it, they do.
+        fetched = max(0, model.fetched_ahead(choice.nbytes, choice.prefetch_cap) - profile.head_bytes)
         return max(
             phases.forward - max(0, min(before_head, _forward_relief(choice))),
             phases.head - max(0, min(before_head, choice.relief)),

@@ -97,6 +97,7 @@ from lightning_offload.schedule import (  # noqa: E402
     HIDDEN_SHARE,
     OffloadModel,
     StepProfile,
+    _eligible,
     frugal_cap,
     plan_candidates,
     plan_for_budget,
@@ -244,6 +245,22 @@ def test_offloading_the_heads_own_bytes_does_not_lower_the_losss_backward() -> N
     assert fits.fits and 5 * GiB <= fits.offload_bytes <= 6 * GiB + 512 * MiB
     out_of_reach = plan_for_budget(two, 23 * GiB)
     assert not out_of_reach.fits and out_of_reach.peak >= 24 * GiB  # all 10 GiB left, the head's peak lost only 6
+
+
+def test_copies_fetched_ahead_into_the_heads_freed_room_add_nothing_to_the_blocks_backward() -> None:
+    """The blocks' backward counts the head's saved bytes, which backward has used and freed by then: the engine
+    fetches copies ahead into that room, so a prefetch no larger than the head adds nothing there; one larger adds the
+    rest."""
+    flat = dict(resident=0, head_peak=20 * GiB, backward_base=30 * GiB, prefetch_bytes=2 * GiB)
+    large_head = profile(**flat, head_bytes=2 * GiB)
+    small_head = profile(**flat, head_bytes=512 * MiB)
+    budget = 35 * GiB  # the blocks' backward, at 30 + 1.5 + eligible, is the peak
+    for prof, extra in ((large_head, 0), (small_head, 2 * GiB - 512 * MiB)):
+        plan = plan_for_budget(prof, budget)
+        assert plan.fits and plan.offload_bytes > 0
+        kept = _eligible(prof, plan.checkpoint_blocks) - plan.offload_bytes
+        rebuilt = int(1.5 * GiB) if plan.checkpoint_blocks else 0
+        assert plan.peak == 30 * GiB + rebuilt + kept + extra
 
 
 def test_forwards_own_peak_bounds_the_plan_where_it_is_the_highest() -> None:
