@@ -72,6 +72,9 @@ _KEEP_ALL = 1 << 62
 _AUTO_RESERVE_SHARE = 0.10
 # A planned step's waits for copies count as a misprediction beyond this much (the larger of the two): copies and
 # compute share memory bandwidth, and single steps vary.
+# Planned steps whose allocator flushed its cache make plans aim lower by _REPLAN_SHARE of the budget each, at most
+# this share in all.
+_FLUSH_SHARE = 0.10
 _WAIT_NOISE_MS = 10.0
 _WAIT_NOISE_SHARE = 0.05
 
@@ -294,29 +297,15 @@ class BudgetPlanner:
             # not to fit.)
             passed = error > self.budget * _REPLAN_SHARE or (error > 0 and peak > self.budget)
             heavier = max(error, peak - self.budget) if passed else 0
-            # A hard cap counts reserved bytes: a step whose allocator reserved past what plans aim for came that
-            # close to failing, whatever it allocated (on an H200, a plan checkpointing 9 of 12 blocks reserved 14.4
-            # GiB for a 13.0 GiB peak, and ran out of memory under a 14.8 GiB cap).
-            # Only what the step itself reserved: the allocator keeps what heavier steps before it reserved, and
-            # counting that again at every step made the plans of Llama-8B LoRA on an H200 aim 25 GiB lower.
+            # The budget holds the allocator's reserved bytes too: a step that reserved past it (no hard cap stopped
+            # it) counts as that much heavier. Only what the step itself reserved: the allocator keeps what heavier
+            # steps before it reserved. (Counting reserved bytes past what plans aim for, 5% below the budget, made
+            # the plans of Llama-8B LoRA on an H200 aim 8.6 GiB lower than needed: the first planned step reserves
+            # 1.04x its peak while its activations change shape, then never again.)
             reserved_peak = self._reserved_peak()
-            if reserved_peak > self._reserved_at_start:
-                heavier = max(heavier, reserved_peak - self.plan_budget)
-            # A step whose allocator found the cap full and flushed its cache to go on came closer still, and paid
-            # for it (a device synchronization, and the blocks allocated again). At most the plans' margin in all:
-            # a flush can come from fragmentation no plan changes (small-h512 flushed twice a step at its floor).
-            retries = self._alloc_retries()
-            step = int(self.budget * _REPLAN_SHARE)
-            if retries > self._retries_at_start and self._flush_correction + step <= self.budget * _PLAN_MARGIN_SHARE:
-                self._flush_correction += step
-                heavier = max(heavier, step)
-                _log.info(
-                    "memory_budget=%.2f GiB: the allocator flushed its cache %d time(s) in a planned step to stay "
-                    "within the device's memory; planning %.2f GiB lower",
-                    self.budget / GiB,
-                    retries - self._retries_at_start,
-                    heavier / GiB,
-                )
+            if reserved_peak > max(self._reserved_at_start, self.budget):
+                heavier = max(heavier, reserved_peak - self.budget)
+            heavier = max(heavier, self._flushed())
             changed = heavier > 0
             if changed:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
@@ -335,6 +324,32 @@ class BudgetPlanner:
         """The allocator's reserved peak since the counters were reset (0: the counters have none)."""
         reserved_peak = getattr(self.memory, "reserved_peak", None)
         return reserved_peak() if reserved_peak is not None else 0
+
+    def _flushed(self) -> int:
+        """How much lower to plan because the allocator flushed its cache in the step that ended (0: not at all).
+
+        Under a hard cap, an allocation that finds no room makes the allocator free its cached blocks and try again:
+        a device synchronization, and the blocks allocated anew (on an H200, Llama-1B's backward ran ~15 ms slower
+        with one flush per step at 93% of its cap than the same checkpointing uncapped). Each such step makes plans
+        aim lower by a step, while a lower plan still fits (at most ``_FLUSH_SHARE`` of the budget in all): a flush
+        that no plan avoids (fragmentation at the floor) must not push the step into the most frugal plan."""
+        retries = self._alloc_retries()
+        step = int(self.budget * _REPLAN_SHARE)
+        if retries <= self._retries_at_start or self._flush_correction + step > self.budget * _FLUSH_SHARE:
+            return 0
+        assert self.profile is not None
+        lower = dataclasses.replace(self.profile, correction=self.profile.correction + step)
+        if not plan_for_budget(lower, self.plan_budget).fits:
+            return 0
+        self._flush_correction += step
+        _log.info(
+            "memory_budget=%.2f GiB: the allocator flushed its cache %d time(s) in a planned step to stay within the "
+            "device's memory; planning %.2f GiB lower",
+            self.budget / GiB,
+            retries - self._retries_at_start,
+            step / GiB,
+        )
+        return step
 
     def _reserved_now(self) -> int:
         """The allocator's reserved bytes now (0: the counters have none)."""

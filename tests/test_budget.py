@@ -451,10 +451,10 @@ def test_planned_steps_whose_forward_computes_slower_with_copies_learn_their_cos
         assert_same_grads(s["grads"], reference_grads(x))
 
 
-def test_planned_steps_whose_allocator_reserves_past_the_plans_aim_move_the_plan_towards_memory() -> None:
-    """A hard cap counts the allocator's reserved bytes: a planned step that reserved past what plans aim for (the
-    budget less its margin) came that close to failing, whatever it allocated, and the plan moves towards memory by
-    that much; reserving below the aim, or reserving nothing new, moves nothing."""
+def test_planned_steps_whose_allocator_reserves_past_the_budget_move_the_plan_towards_memory() -> None:
+    """The budget holds the allocator's reserved bytes too: a planned step that reserved past it (no hard cap stopped
+    it), whatever it allocated, moves the plan towards memory by that much; reserving within the budget, or reserving
+    nothing new, moves nothing."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
     sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
@@ -466,7 +466,7 @@ def test_planned_steps_whose_allocator_reserves_past_the_plans_aim_move_the_plan
     planner = engine.planner
     assert planner is not None and planner.plan is not None
     first = planner.plan
-    memory.reserved_peak = lambda: planner.plan_budget  # type: ignore[attr-defined]
+    memory.reserved_peak = lambda: planner.budget  # type: ignore[attr-defined]
     run_steps(engine, model, x, 2)
     assert (planner.plan.offload_bytes, planner.plan.checkpoint_blocks) == (
         first.offload_bytes,
@@ -479,7 +479,7 @@ def test_planned_steps_whose_allocator_reserves_past_the_plans_aim_move_the_plan
         assert_same_grads(s["grads"], reference_grads(x))
     # The allocator keeps what it reserved: later steps that reserve nothing new are not counted again (counting the
     # cache of heavier steps at every step once made 8B LoRA's plans aim 25 GiB lower on an H200).
-    cached = planner.plan_budget + act
+    cached = planner.budget + act
     memory.reserved = memory.reserved_peak = lambda: cached  # type: ignore[attr-defined]
     run_steps(engine, model, x, 2)  # the step that began before reserved bytes were known counts them
     assert planner.profile is not None
@@ -576,10 +576,12 @@ def test_a_planned_step_whose_allocator_flushed_its_cache_plans_lower(caplog: py
     assert planner.plan.offload_bytes > first.offload_bytes or planner.plan.checkpoint_blocks > first.checkpoint_blocks
     for step in steps:
         assert_same_grads(step["grads"], reference_grads(x))
-    # A flush at every step (fragmentation no plan changes): the plans aim lower by at most their margin in all.
+    # A flush at every step (fragmentation no plan changes): the plans aim lower by a tenth of the budget at most,
+    # and only while a lower plan still fits.
     model.blocks[0].forward = flushing_forward  # type: ignore[method-assign]
-    run_steps(engine, model, x, 8)
-    assert planner.profile.correction == 2 * int(budget * 0.02) < budget * 0.05
+    run_steps(engine, model, x, 12)
+    assert int(budget * 0.02) < planner.profile.correction <= budget * 0.10
+    assert planner.plan.fits
 
 
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
