@@ -34,6 +34,11 @@ class DeviceMemory:
     def reserved_peak(self) -> int:
         return torch.cuda.max_memory_reserved(self.device)
 
+    def alloc_retries(self) -> int:
+        """How often an allocation found the device (or the process's cap) full and the allocator freed its cached
+        blocks to try again: a slow path (it synchronizes the device), and the last one before out of memory."""
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 

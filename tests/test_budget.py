@@ -539,6 +539,51 @@ def test_a_heavier_step_corrects_plans_that_count_the_heads_backward_apart() -> 
     assert memory.peaks[-1] <= budget
 
 
+def test_a_planned_step_whose_allocator_flushed_its_cache_plans_lower(caplog: pytest.LogCaptureFixture) -> None:
+    """At a hard cap the allocator, finding no room, frees its cached blocks and tries again: a device sync, and the
+    blocks allocated anew. A planned step that did so (its optimizer step included) makes the plan aim lower; steps
+    that did not change nothing."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    flushes = [0]
+    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
+    budget = 6 * act
+    engine = planned_engine(budget, memory, model, sim)
+    run_steps(engine, model, x, 4)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    first, profile = planner.plan, planner.profile
+    assert profile.correction == 0
+    run_steps(engine, model, x, 2)
+    assert planner.plan.peak == first.peak and planner.profile.correction == 0  # no flush, no change
+    forward = model.blocks[0].forward
+
+    def flushing_forward(h: torch.Tensor) -> torch.Tensor:
+        flushes[0] += 1
+        return forward(h)
+
+    model.blocks[0].forward = flushing_forward  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        steps = run_steps(engine, model, x, 1)
+        del model.blocks[0].forward
+        steps += run_steps(engine, model, x, 1)  # a step's end is read as the next one begins
+    assert "flushed its cache 1 time(s) in a planned step" in caplog.text
+    assert planner.profile.correction == int(budget * 0.02)
+    assert planner.plan.offload_bytes > first.offload_bytes or planner.plan.checkpoint_blocks > first.checkpoint_blocks
+    for step in steps:
+        assert_same_grads(step["grads"], reference_grads(x))
+    # A flush at every step (fragmentation no plan changes): the plans aim lower by a tenth of the budget at most,
+    # and only while a lower plan still fits.
+    model.blocks[0].forward = flushing_forward  # type: ignore[method-assign]
+    run_steps(engine, model, x, 12)
+    assert int(budget * 0.02) < planner.profile.correction <= budget * 0.10
+    assert planner.plan.fits
+
+
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
     sim = SimulatedStreams(lag=0)
     model = Stack(sim)
