@@ -2,22 +2,24 @@
 
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
 each counts what forward saves block by block and times forward's and backward's compute (waits for copies
-excluded). Under a budget the user gave, they checkpoint every repeated block but the first and offload everything
+excluded). Under a budget the user gave, they checkpoint every repeated block but the second and offload everything
 from the first saved tensor: the most frugal step there is, and its peak is the step's own (weights, optimizer state,
-the loss's transient); the profile is extrapolated to no checkpointing from the first block. Under the device's own
-budget they keep everything unless memory passes a watermark, so a model that fits is measured at no cost. Two,
-because the optimizer allocates its state in the first step. From that profile
+the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. Under the
+device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no
+cost. Two, because the optimizer allocates its state in the first step. From that profile
 :func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
 the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
 nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
 relaxed on a lighter step can pass a hard cap on the next); a step whose compute ran faster than measured corrects
 the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model,
 and two steps in a row whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one
-way: towards checkpointing); a step whose allocator reserved past what plans aim for counts as that much heavier.
+way: towards checkpointing); a step whose allocator reserved past the budget counts as that much heavier, and one
+whose allocator flushed its cache to find room (a hard cap) makes plans aim a little lower while a lower plan fits.
 
 The measuring steps also note where backward leaves the head (the loss's and the head's saved bytes, used first): the
-peak up to there and what is allocated then. Plans then count the step's two peaks apart (the loss's backward, the
-blocks' backward), and planned steps fetch nothing ahead while backward is in the head.
+peak up to there and what is allocated then. Plans then count the step's peaks apart (forward's, the loss's backward,
+the blocks' backward); planned steps let go of every copy still on its way out as forward reaches the head, and fetch
+nothing ahead while backward is in the head.
 
 Torch only: no Lightning import.
 """
@@ -374,7 +376,7 @@ class BudgetPlanner:
         """What the measuring step says about a step that checkpoints nothing.
 
         Blocks it ran checkpointed saved only their inputs and recomputed their forward in backward: what they would
-        save in full is the blocks run in full (the first) on average, and their recompute is taken off backward's
+        save in full is the block run in full (the second) on average, and their recompute is taken off backward's
         time and off the peak (a peak in backward, above forward's, held one recomputed block, or the loss's
         backward: the step's own peak stays in the profile for plans that rebuild no block).
         """
