@@ -585,7 +585,9 @@ COLUMNS = (
     ("peak GiB", "peak_alloc_gib", ".1f"),
     ("reserved GiB", "peak_reserved_gib", ".1f"),
     ("res/alloc", "reserved_ratio", ".2f"),
+    ("flushes/step", "alloc_flushes_per_step", ".1f"),
     ("budget GiB", "budget_gib", ".1f"),
+    ("plan", "plan", "plan"),
     ("offloaded GiB", "offloaded_gib", ".2f"),
     ("D2H GB/s", "d2h_gbps", ".1f"),
     ("H2D GB/s", "h2d_gbps", ".1f"),
@@ -603,9 +605,19 @@ def _cells(row: dict[str, Any]) -> list[str]:
         if key is None:
             phases = [row.get(k) for k in ("fwd_s", "bwd_s", "opt_s")]
             cells.append("/".join(_fmt(p, ".3f") for p in phases) if all(p is not None for p in phases) else "-")
+        elif spec == "plan":
+            cells.append(_plan_cell(row.get("plan")))
         else:
             cells.append(_fmt(row.get(key), spec))
     return cells
+
+
+def _plan_cell(plan: dict[str, Any] | None) -> str:
+    """The memory-budget plan a row ran last, with the peak it predicted (``-``: no planner)."""
+    if not plan:
+        return "-"
+    offload = plan["offload_bytes"] / (1 << 30)
+    return f"{plan['checkpoint_blocks']} ckpt + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
 
 
 def markdown(results: list[dict[str, Any]], name: str) -> str:
@@ -667,7 +679,10 @@ def markdown(results: list[dict[str, Any]], name: str) -> str:
     lines += [f"- **{key}**: {text}" for key, text in DEFINITIONS.items()]
     lines += [
         "- ratio: median step time / `none`'s. Peak: `torch.cuda.max_memory_allocated` over the timed steps. "
-        "Offloaded GiB, GB/s and stall: our engine's stats (`measure_copies=True`), median per step.",
+        "Offloaded GiB, GB/s and stall: our engine's stats (`measure_copies=True`), median per step. flushes/step: "
+        "how often the caching allocator found no room (a hard cap) and freed its cached blocks to try again, per "
+        "timed step. plan: the memory-budget planner's last plan (blocks checkpointed + bytes offloaded per forward) "
+        "and the peak allocated GiB it predicted.",
         "",
     ]
     return "\n".join(lines)

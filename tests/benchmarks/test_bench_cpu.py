@@ -508,6 +508,21 @@ def test_markdown_and_terminal_table_render_every_row() -> None:
     assert "streamed" in table and "OOM" in table and "P3" in table
 
 
+def test_markdown_shows_the_plan_and_the_allocators_flushes_of_a_budget_row() -> None:
+    """A memory-budget row shows the plan it ran last with its predicted peak, and its cache flushes per step."""
+    GiB = 1 << 30
+    plan = {"offload_bytes": int(15.77 * GiB), "checkpoint_blocks": 8, "peak": int(66.09 * GiB)}
+    rows = [
+        _row("none", 1.0, 99.4),
+        {**_row("ours-budget-0.7x", 1.18, 66.1), "plan": plan, "alloc_flushes_per_step": 0.5, "budget_gib": 69.6},
+    ]
+    text = report.markdown([_result("llama8b-lora-s8k", rows)], "unit")
+    budget_line = next(line for line in text.splitlines() if line.startswith("| ours-budget-0.7x |"))
+    assert "| 0.5 | 69.6 | 8 ckpt + 15.77 GiB, pred 66.09 |" in budget_line
+    none_line = next(line for line in text.splitlines() if line.startswith("| none |"))
+    assert "| - | - | - |" in none_line  # no flushes recorded, no budget, no plan
+
+
 def test_plot_writes_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rows = [_row("none", 1.0, 30.0), _row("streamed", 1.2, 20.0, offloaded_gib=5.0), _row("trl", 4.0, 24.0)]
