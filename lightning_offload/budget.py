@@ -74,11 +74,11 @@ _KEEP_ALL = 1 << 62
 _AUTO_RESERVE_SHARE = 0.10
 # A planned step's waits for copies count as a misprediction beyond this much (the larger of the two): copies and
 # compute share memory bandwidth, and single steps vary.
+_WAIT_NOISE_MS = 10.0
+_WAIT_NOISE_SHARE = 0.05
 # Planned steps whose allocator flushed its cache make plans aim lower by _REPLAN_SHARE of the budget each, at most
 # this share in all.
 _FLUSH_SHARE = 0.10
-_WAIT_NOISE_MS = 10.0
-_WAIT_NOISE_SHARE = 0.05
 
 
 def default_budget(total: int) -> int:
@@ -226,8 +226,8 @@ class BudgetPlanner:
         self._backward_peak = 0
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
-        self._retries_at_start = self._alloc_retries()
-        self._reserved_at_start = self._reserved_now()
+        self._retries_at_start = self._counter("alloc_retries")
+        self._reserved_at_start = self._counter("reserved")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
@@ -304,7 +304,7 @@ class BudgetPlanner:
             # steps before it reserved. (Counting reserved bytes past what plans aim for, 5% below the budget, made
             # the plans of Llama-8B LoRA on an H200 aim 8.6 GiB lower than needed: the first planned step reserves
             # 1.04x its peak while its activations change shape, then never again.)
-            reserved_peak = self._reserved_peak()
+            reserved_peak = self._counter("reserved_peak")
             if reserved_peak > max(self._reserved_at_start, self.budget):
                 heavier = max(heavier, reserved_peak - self.budget)
             heavier = max(heavier, self._flushed())
@@ -322,10 +322,11 @@ class BudgetPlanner:
             if changed:
                 self._choose()
 
-    def _reserved_peak(self) -> int:
-        """The allocator's reserved peak since the counters were reset (0: the counters have none)."""
-        reserved_peak = getattr(self.memory, "reserved_peak", None)
-        return reserved_peak() if reserved_peak is not None else 0
+    def _counter(self, name: str) -> int:
+        """The allocator counter ``name`` (``reserved``, ``reserved_peak``, ``alloc_retries``); 0 where the memory
+        object has none (a test's fake)."""
+        read = getattr(self.memory, name, None)
+        return read() if read is not None else 0
 
     def _flushed(self) -> int:
         """How much lower to plan because the allocator flushed its cache in the step that ended (0: not at all).
@@ -335,7 +336,7 @@ class BudgetPlanner:
         with one flush per step at 93% of its cap than the same checkpointing uncapped). Each such step makes plans
         aim lower by a step, while a lower plan still fits (at most ``_FLUSH_SHARE`` of the budget in all): a flush
         that no plan avoids (fragmentation at the floor) must not push the step into the most frugal plan."""
-        retries = self._alloc_retries()
+        retries = self._counter("alloc_retries")
         step = int(self.budget * _REPLAN_SHARE)
         if retries <= self._retries_at_start or self._flush_correction + step > self.budget * _FLUSH_SHARE:
             return 0
@@ -352,16 +353,6 @@ class BudgetPlanner:
             step / GiB,
         )
         return step
-
-    def _reserved_now(self) -> int:
-        """The allocator's reserved bytes now (0: the counters have none)."""
-        reserved = getattr(self.memory, "reserved", None)
-        return reserved() if reserved is not None else 0
-
-    def _alloc_retries(self) -> int:
-        """The allocator's count of cache flushes to make room (0: the counters have none)."""
-        retries = getattr(self.memory, "alloc_retries", None)
-        return retries() if retries is not None else 0
 
     def _measured_profile(
         self,

@@ -514,16 +514,24 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
     assert memory.peaks[-1] <= budget
 
 
+def weights_on_the_device(x: torch.Tensor) -> tuple[int, Stack, FakeMemory]:
+    """Activation bytes of ``x``, a ``Stack`` on a fast simulated link, and counters with 4x those bytes of weights
+    (backward leaves the head above zero, so plans count the head's backward apart) and a loss transient of 1.2x."""
+    act = activation_bytes(x)
+    model = Stack(SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB)))
+    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    return act, model, memory
+
+
 def test_a_heavier_step_corrects_plans_that_count_the_heads_backward_apart() -> None:
     """The correction is the planner's own, not the measured step's peak: plans that count the loss's and the blocks'
     backward apart (weights on the device, so backward leaves the head above zero) take it too. (Added to the measured
     peak, which those plans do not read, it once corrected nothing.)"""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
-    memory.unhooked_resident = act
+    act, model, memory = weights_on_the_device(x)
+    sim = model.sim
+    assert sim is not None
     budget = 6 * act
     engine = planned_engine(budget, memory, model, sim)
     run_steps(engine, model, x, 3)
@@ -544,11 +552,9 @@ def test_a_planned_step_whose_allocator_flushed_its_cache_plans_lower(caplog: py
     blocks allocated anew. A planned step that did so (its optimizer step included) makes the plan aim lower; steps
     that did not change nothing."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
-    memory.unhooked_resident = act
+    act, model, memory = weights_on_the_device(x)
+    sim = model.sim
+    assert sim is not None
     flushes = [0]
     memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
     budget = 6 * act
