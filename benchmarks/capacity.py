@@ -179,10 +179,14 @@ class CapacityWorker:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         times: list[float] = []
+        settled: list[float] = []  # ours: steps that ran the plan kept (not measuring, not under trial)
         note = ""
         try:
-            for _ in range(self.steps):
+            for index in range(self.steps):
                 times.append(self.bench.timed_step(context(), optimizer, ids))
+                planner = getattr(engine, "planner", None)
+                if planner is not None and index >= 2 and not planner.trying:
+                    settled.append(times[-1])
         except torch.cuda.OutOfMemoryError:
             note = "OOM"
         except RuntimeError as err:
@@ -204,8 +208,9 @@ class CapacityWorker:
             # Chosen from this length's measuring steps (the profile is dropped at every new length).
             result.plan = asdict(planner.plan)
         if fits:
-            # After the first step (allocations, warm-up); ours: after its two measuring steps, the plan's own.
-            result.step_s = statistics.median(times[2 if engine is not None else 1 :] or times)
+            # After the first step (allocations, warm-up); ours: the plan kept after its measuring steps and trials
+            # (when the probe ran that long).
+            result.step_s = statistics.median(settled or times[2 if engine is not None else 1 :] or times)
             if self.cuda:
                 result.peak_bytes = float(torch.cuda.max_memory_reserved(self.device))
                 result.peak_alloc_bytes = float(torch.cuda.max_memory_allocated(self.device))

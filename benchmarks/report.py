@@ -606,18 +606,23 @@ def _cells(row: dict[str, Any]) -> list[str]:
             phases = [row.get(k) for k in ("fwd_s", "bwd_s", "opt_s")]
             cells.append("/".join(_fmt(p, ".3f") for p in phases) if all(p is not None for p in phases) else "-")
         elif spec == "plan":
-            cells.append(_plan_cell(row.get("plan")))
+            cells.append(_plan_cell(row.get("plan"), row.get("plan_trials")))
         else:
             cells.append(_fmt(row.get(key), spec))
     return cells
 
 
-def _plan_cell(plan: dict[str, Any] | None) -> str:
-    """The memory-budget plan a row ran last, with the peak it predicted (``-``: no planner)."""
+def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = None) -> str:
+    """The memory-budget plan a row ran last, with the peak it predicted, and the plans timed against each other
+    with their fastest step (``-``: no planner)."""
     if not plan:
         return "-"
     offload = plan["offload_bytes"] / (1 << 30)
-    return f"{plan['checkpoint_blocks']} ckpt + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
+    cell = f"{plan['checkpoint_blocks']} ckpt + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
+    if trials:
+        timed = "; ".join(f"{int(k)} + {gib:.2f}: {ms:.0f} ms" for k, gib, ms in trials)
+        cell += f" (timed {timed})"
+    return cell
 
 
 def markdown(results: list[dict[str, Any]], name: str) -> str:
@@ -682,7 +687,9 @@ def markdown(results: list[dict[str, Any]], name: str) -> str:
         "Offloaded GiB, GB/s and stall: our engine's stats (`measure_copies=True`), median per step. flushes/step: "
         "how often the caching allocator found no room (a hard cap) and freed its cached blocks to try again, per "
         "timed step. plan: the memory-budget planner's last plan (blocks checkpointed + bytes offloaded per forward) "
-        "and the peak allocated GiB it predicted.",
+        "and the peak allocated GiB it predicted; timed: the plans it timed against each other before keeping the "
+        "fastest (blocks + GiB offloaded: the fastest of their steps, device time from step start to step start, "
+        "the planner's own clock).",
         "",
     ]
     return "\n".join(lines)

@@ -66,9 +66,10 @@ def memory_budget_available() -> bool:
 NO_BUDGET_API = "not measured: memory_budget not available"
 # Warm-up steps of a row whose engine plans under a memory budget (see ``_measure``).
 PLANNER_WARMUP = 3
-# Planner rows keep warming up (up to this many steps) while their plan changes or they pin new host buffers: what a
-# long run sees is the settled plan, and one step that pins 15 GiB takes seconds.
-PLANNER_MAX_WARMUP = 8
+# Planner rows keep warming up (up to this many steps) while their plan changes, is being timed against others or they
+# pin new host buffers: what a long run sees is the settled plan, and one step that pins 15 GiB takes seconds. Two
+# measuring steps and up to four plans under trial for three steps each come first.
+PLANNER_MAX_WARMUP = 20
 
 
 def budget_bytes(mode: Mode, rows: dict[str, dict[str, Any]]) -> tuple[float | None, str]:
@@ -130,9 +131,10 @@ def _free(device: torch.device, host_cache: bool = False) -> None:
             empty_host()
 
 
-def _unsettled(ran: list[tuple[Any, int]]) -> bool:
-    """Whether the latest step ran a plan other than the step before it, or pinned new host buffers."""
-    return len(ran) >= 2 and (ran[-1][1] > 0 or ran[-1][0] != ran[-2][0])
+def _unsettled(ran: list[tuple[Any, int, bool]]) -> bool:
+    """Whether the latest step ran a plan other than the step before it, one under trial, or pinned new host
+    buffers."""
+    return len(ran) >= 2 and (ran[-1][1] > 0 or ran[-1][0] != ran[-2][0] or ran[-1][2])
 
 
 class _Clock:
@@ -459,7 +461,8 @@ class Runner:
             # offloads into (0.4 s per GiB on an H200: 8B LoRA's first planned steps took 1.33-1.52 s, later ones
             # 1.17 s). Other offloading rows pin in their first step, which a warm-up of 2 already covers.
             warmup = max(warmup, PLANNER_WARMUP)
-        ran: list[tuple[Any, int]] = []  # per step of a planning row: the plan it ran and the host buffers it pinned
+        # Per step of a planning row: the plan it ran, the host buffers it pinned, whether the plan was under trial.
+        ran: list[tuple[Any, int, bool]] = []
         index = 0
         while index < warmup + steps:
             if index == warmup and plans and warmup < PLANNER_MAX_WARMUP and _unsettled(ran):
@@ -488,7 +491,8 @@ class Runner:
             elapsed = time.perf_counter() - start
             if plans:
                 plan = getattr(engine.planner, "plan", None)
-                ran.append((plan, engine.collect_stats(wait=False).host_allocations))
+                trying = bool(getattr(engine.planner, "trying", False))
+                ran.append((plan, engine.collect_stats(wait=False).host_allocations, trying))
             index += 1
             if timed:
                 times.append(elapsed)
@@ -519,6 +523,8 @@ class Runner:
             row["plan"] = dataclasses.asdict(planner.plan)
             row["profile"] = dataclasses.asdict(planner.profile)
             row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
+            # The plans timed against each other: blocks checkpointed, GiB offloaded, fastest step (device ms).
+            row["plan_trials"] = [[k, b / GiB, ms] for k, b, ms in getattr(planner, "timed_plans", [])]
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

@@ -7,14 +7,19 @@ from the first saved tensor: the most frugal step there is, and its peak is the 
 the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. Under the
 device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no
 cost. Two, because the optimizer allocates its state in the first step. From that profile
-:func:`~lightning_offload.schedule.plan_for_budget` picks how many bytes leave and how many blocks are checkpointed;
-the engine applies the plan. A plan that offloads nothing does not even install the hooks, so a model that fits pays
-nothing. A step whose peak passes the budget anyway corrects the model and plans again (only towards memory: a plan
-relaxed on a lighter step can pass a hard cap on the next); a step whose compute ran faster than measured corrects
-the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model,
-and two steps in a row whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one
-way: towards checkpointing); a step whose allocator reserved past the budget counts as that much heavier, and one
-whose allocator flushed its cache to find room (a hard cap) makes plans aim a little lower while a lower plan fits.
+:func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
+the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
+pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
+(:func:`~lightning_offload.schedule.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
+each run ``TRIAL_STEPS`` steps, timed on the device from step start to step start, and the fastest is kept: the model
+prices recompute and the link, not the host's hooks, copies slowing compute or the allocator flushing its cache near a
+hard cap, and a few steps of a long run measure what it cannot. A step whose peak passes the budget anyway corrects the
+model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next), keeping
+the fastest timed plan that still fits; a step whose compute ran faster than measured corrects the timing; a step that
+waited for copies clearly longer than its plan predicted lowers the link's share in the model, and two steps in a row
+whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one way: towards
+checkpointing; once plans were timed, what was measured decides instead); a step whose allocator reserved past the
+budget counts as that much heavier.
 
 The measuring steps also note where backward leaves the head (the loss's and the head's saved bytes, used first): the
 peak up to there and what is allocated then. Plans then count the step's peaks apart (forward's, the loss's backward,
@@ -43,10 +48,12 @@ from lightning_offload.schedule import (
     REBUILD_SHARE,
     Plan,
     StepProfile,
+    cheapest_plan,
     fit_link_share,
     frugal_cap,
     offload_cost_ms,
-    plan_for_budget,
+    plan_candidates,
+    trial_plans,
 )
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
@@ -76,9 +83,14 @@ _AUTO_RESERVE_SHARE = 0.10
 # compute share memory bandwidth, and single steps vary.
 _WAIT_NOISE_MS = 10.0
 _WAIT_NOISE_SHARE = 0.05
-# Planned steps whose allocator flushed its cache make plans aim lower by _REPLAN_SHARE of the budget each, at most
-# this share in all.
-_FLUSH_SHARE = 0.10
+# Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
+# allocator reshapes its cache for the new plan), the fastest of the others counts.
+TRIAL_STEPS = 3
+# A plan under trial runs at most this many steps while its steps pin host buffers (those say nothing of its pace).
+_TRIAL_MAX_STEPS = 5
+# Trials begun per profile: a correction towards memory that leaves no timed plan fitting times those that fit (at
+# most this many times in all; then the model's cheapest plan runs).
+_TRIAL_ROUNDS = 3
 
 
 def default_budget(total: int) -> int:
@@ -98,6 +110,7 @@ class BudgetPlanner:
             number of blocks.
         owns_peaks: reset the peak counter at every step (``False`` when a caller such as the Lightning callback
             resets it at its own step boundaries).
+        trials: time the plans worth comparing and keep the fastest (``False``: the model's cheapest plan).
     """
 
     def __init__(
@@ -107,6 +120,7 @@ class BudgetPlanner:
         model: nn.Module | None = None,
         owns_peaks: bool = True,
         clock: Any = None,
+        trials: bool = True,
     ) -> None:
         self.memory = memory
         self.budget = budget if budget is not None else default_budget(memory.total())
@@ -137,13 +151,24 @@ class BudgetPlanner:
         # The latest step's backward as it left the head (the loss's and the head's saved bytes, run first): the head's
         # bytes, the peak so far and the bytes allocated then; the peak as backward ended.
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
-        self._retries_at_start = 0  # the allocator's cache flushes as the step began
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
-        self._flush_correction = 0  # what planned steps' cache flushes added to the profile's correction
+        self.trials = trials
+        self.trying = False  # the current plan is being timed against others
+        self._trials_done = not trials  # for the current profile: plans were compared (or nothing was to compare)
+        self._trial_runs: dict[tuple[int, int], int] = {}  # plans under trial (``_trial_key``): steps run
+        self._trial_ms: dict[tuple[int, int], list[float]] = {}  # ... and the device time of the steps that count
+        self._trial_rounds = 0  # trials begun for the current profile (a correction may make the timed plans unfit)
+        self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
 
     @property
     def measuring(self) -> bool:
         return self._measuring
+
+    @property
+    def timed_plans(self) -> list[tuple[int, int, float]]:
+        """The plans timed against each other for the current profile: blocks checkpointed, bytes offloaded per
+        forward, and the fastest of their timed steps (device milliseconds, start to start)."""
+        return [(k, nbytes, min(ms)) for (k, nbytes), ms in self._trial_ms.items() if ms]
 
     @property
     def plan_budget(self) -> int:
@@ -217,6 +242,8 @@ class BudgetPlanner:
             raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
         self.profile = None
         self._measure_left = max(self._measure_left, measuring_steps)
+        self._trials_done, self.trying = not self.trials, False
+        self._trial_runs, self._trial_ms, self._compared, self._trial_rounds = {}, {}, None, 0
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
@@ -226,7 +253,6 @@ class BudgetPlanner:
         self._backward_peak = 0
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
-        self._retries_at_start = self._counter("alloc_retries")
         self._reserved_at_start = self._counter("reserved")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
@@ -267,8 +293,10 @@ class BudgetPlanner:
         link_bytes_per_ms: float,
         extra: dict,
         backward_ms: float = 0.0,
+        step_ms: float = 0.0,
     ) -> None:
-        """The step that :meth:`begin_step` started is over (backward included): learn from its peak and timing."""
+        """The step that :meth:`begin_step` started is over (backward included): learn from its peak and timing;
+        ``step_ms``: its device time, start to start (0: not timed; it is asked for while :attr:`trying`)."""
         if not self._stepping:
             return
         self._stepping = False
@@ -287,6 +315,7 @@ class BudgetPlanner:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
+            timed = self._timed_trial_step(plan, step_ms)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed
             # block rebuilt in backward, copies in flight and fetched ahead), so a step that peaked where predicted
@@ -307,10 +336,11 @@ class BudgetPlanner:
             reserved_peak = self._counter("reserved_peak")
             if reserved_peak > max(self._reserved_at_start, self.budget):
                 heavier = max(heavier, reserved_peak - self.budget)
-            heavier = max(heavier, self._flushed())
-            changed = heavier > 0
-            if changed:
+            if heavier > 0:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
+                self._choose(memory=True)
+                return
+            changed = timed
             # Compute time only falls: a measuring step can be slowed by what only it does (pinning host memory
             # for its copies, starting after a host synchronization), so a later, faster step is the truer pace.
             if 0 < forward_ms < 0.9 * p.forward_ms:
@@ -323,36 +353,29 @@ class BudgetPlanner:
                 self._choose()
 
     def _counter(self, name: str) -> int:
-        """The allocator counter ``name`` (``reserved``, ``reserved_peak``, ``alloc_retries``); 0 where the memory
-        object has none (a test's fake)."""
+        """The allocator counter ``name`` (``reserved``, ``reserved_peak``); 0 where the memory object has none (a
+        test's fake)."""
         read = getattr(self.memory, name, None)
         return read() if read is not None else 0
 
-    def _flushed(self) -> int:
-        """How much lower to plan because the allocator flushed its cache in the step that ended (0: not at all).
+    def _timed_trial_step(self, plan: Plan, step_ms: float) -> bool:
+        """Count a step of ``plan`` while it is under trial; whether that plan's trial is now over."""
+        if not self.trying:
+            return False
+        key = _trial_key(plan)
+        runs = self._trial_runs[key] = self._trial_runs.get(key, 0) + 1
+        if runs > 1 and step_ms > 0 and self.step not in self._pinning_steps:
+            self._trial_ms.setdefault(key, []).append(step_ms)
+        return self._trial_over(plan)
 
-        Under a hard cap, an allocation that finds no room makes the allocator free its cached blocks and try again:
-        a device synchronization, and the blocks allocated anew (on an H200, Llama-1B's backward ran ~15 ms slower
-        with one flush per step at 93% of its cap than the same checkpointing uncapped). Each such step makes plans
-        aim lower by a step, while a lower plan still fits (at most ``_FLUSH_SHARE`` of the budget in all): a flush
-        that no plan avoids (fragmentation at the floor) must not push the step into the most frugal plan."""
-        retries = self._counter("alloc_retries")
-        step = int(self.budget * _REPLAN_SHARE)
-        if retries <= self._retries_at_start or self._flush_correction + step > self.budget * _FLUSH_SHARE:
-            return 0
-        assert self.profile is not None
-        lower = dataclasses.replace(self.profile, correction=self.profile.correction + step)
-        if not plan_for_budget(lower, self.plan_budget).fits:
-            return 0
-        self._flush_correction += step
-        _log.info(
-            "memory_budget=%.2f GiB: the allocator flushed its cache %d time(s) in a planned step to stay within the "
-            "device's memory; planning %.2f GiB lower",
-            self.budget / GiB,
-            retries - self._retries_at_start,
-            step / GiB,
-        )
-        return step
+    def _trial_over(self, plan: Plan) -> bool:
+        key = _trial_key(plan)
+        return len(self._trial_ms.get(key, [])) >= TRIAL_STEPS - 1 or self._trial_runs.get(key, 0) >= _TRIAL_MAX_STEPS
+
+    def _fastest(self, plans: list[Plan]) -> Plan | None:
+        """The plan of ``plans`` whose timed steps ran fastest (``None``: none was timed)."""
+        timed = [p for p in plans if self._trial_ms.get(_trial_key(p))]
+        return min(timed, key=lambda p: (min(self._trial_ms[_trial_key(p)]), p.peak)) if timed else None
 
     def _measured_profile(
         self,
@@ -494,15 +517,45 @@ class BudgetPlanner:
             self.profile = dataclasses.replace(profile, link_share=share)
             self._choose()
 
-    def _choose(self) -> None:
+    def _choose(self, memory: bool = False) -> None:
+        """Choose the plan for the next step from the profile: the next plan to time while plans are under trial,
+        then the fastest timed one. Which plans are compared is settled as the trials begin (what a faster step
+        teaches about time must not swap them midway); a correction towards ``memory`` settles it anew. Once plans
+        were timed, only such a correction chooses again (the fastest timed plan that still fits; the model's cheapest
+        where none does): what later steps teach about time is what the trials measured."""
         assert self.profile is not None
-        plan = plan_for_budget(self.profile, self.plan_budget)
+        candidates = plan_candidates(self.profile, self.plan_budget)
+        plan, trial = cheapest_plan(candidates), ""
+        self.trying = False
+        if self._trials_done and self._trial_ms:
+            if not memory:
+                return
+            fastest = self._fastest([p for p in candidates if p.fits])
+            if fastest is not None:
+                plan = fastest
+            elif self._trial_rounds < _TRIAL_ROUNDS:  # no plan timed fits any more: time the ones that do
+                self._trials_done, self._compared = False, None
+        if not self._trials_done:
+            if memory or self._compared is None:
+                self._trial_rounds += self._compared is None
+                self._compared = trial_plans(self.profile, candidates)
+            compared = self._compared
+            waiting = [p for p in compared if not self._trial_over(p)]
+            if len(compared) > 1 and waiting:
+                plan, self.trying = waiting[0], True
+                trial = f"timing plan {compared.index(plan) + 1} of {len(compared)}: "
+            else:
+                self._trials_done = True
+                fastest = self._fastest(compared)
+                if fastest is not None:
+                    plan, trial = fastest, self._trial_summary(compared)
         plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
         changed = plan != self.plan
         self.plan = plan
         if changed:
             self._plan_since = None
-            text = f"memory_budget={self.budget / GiB:.2f} GiB: {plan.describe(self.budget)}"
+        if changed or trial:  # the trials' outcome is told even where the last plan timed was the fastest
+            text = f"memory_budget={self.budget / GiB:.2f} GiB: {trial}{plan.describe(self.budget)}"
             if not plan.fits:
                 fixed = self.profile.peak + self.profile.correction - self.profile.resident
                 text += (
@@ -514,6 +567,15 @@ class BudgetPlanner:
             if self.on_plan is not None:
                 self.on_plan(text)
 
+    def _trial_summary(self, compared: list[Plan]) -> str:
+        """The trial's outcome in words: each plan's fastest step."""
+        times = []
+        for p in compared:
+            timings = self._trial_ms.get(_trial_key(p))
+            what = f"{p.checkpoint_blocks} block(s) + {p.offload_bytes / GiB:.2f} GiB"
+            times.append(f"{what} {min(timings):.1f} ms" if timings else f"{what} not timed")
+        return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
+
     def at_head(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` as each forward of the steps from now on reaches the head (its last block returned);
         ``None``: stop."""
@@ -522,6 +584,12 @@ class BudgetPlanner:
     def remove(self) -> None:
         """Leave the model as it was: drop this planner's checkpointing and hooks."""
         self._blocks.remove()
+
+
+def _trial_key(plan: Plan) -> tuple[int, int]:
+    """What a timing under trial belongs to: the blocks checkpointed and the bytes offloaded (a plan that checkpoints
+    as many blocks but offloads more after a correction is another plan)."""
+    return plan.checkpoint_blocks, plan.offload_bytes
 
 
 def planner_for(
@@ -533,7 +601,7 @@ def planner_for(
         memory = DeviceMemory(device)
     if not options.plans or memory is None or not isinstance(transfer, StreamedTransfer):
         return None
-    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer)
+    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
 
 
 def plan_step(
@@ -563,9 +631,12 @@ def plan_step(
     else:
         extra = {}
         forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
-    planner.end_step(stats.eligible_bytes, stats.offloaded_bytes, forward_ms, transfer.link_rate, extra, backward_ms)
     if stats.host_allocations:
         planner.pinned_host_memory(planner.step)
+    step_ms = transfer.step_began(planner.trying)  # a host sync, only while plans are timed
+    planner.end_step(
+        stats.eligible_bytes, stats.offloaded_bytes, forward_ms, transfer.link_rate, extra, backward_ms, step_ms
+    )
     if transfer.last_forward is not None:
         planner.forward_computed(*transfer.last_forward)
     if transfer.last_stalls is not None:

@@ -69,6 +69,7 @@ class ActivationOffloadCallback(Callback):
         host_memory_limit: int | None = None,
         on_host_full: OnHostFull = "warn",
         measure_copies: bool = False,
+        plan_trials: bool = True,
         checkpoint: str | type[nn.Module] | list[str | type[nn.Module]] | None = None,
         progress_bar: bool = False,
         memory_picture: bool = False,

@@ -23,6 +23,7 @@ def offload_activations(
     host_memory_limit: int | None = None,
     on_host_full: str = "warn",
     measure_copies: bool = False,
+    plan_trials: bool = True,
     model: torch.nn.Module | None = None,
     checkpoint: Any = None,
     local_processes: int | None = None,
@@ -41,7 +42,7 @@ def offload_activations(
 
     Args:
         mode, memory_budget, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes,
-            max_inflight_bytes, prefetch_bytes, host_memory_limit, on_host_full, measure_copies: see
+            max_inflight_bytes, prefetch_bytes, host_memory_limit, on_host_full, measure_copies, plan_trials: see
             :class:`~lightning_offload.options.OffloadOptions`, where every option is documented.
         model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts are
             recognised without it; buffers only with it.

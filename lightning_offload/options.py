@@ -77,6 +77,10 @@ class OffloadOptions:
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors on
             the device and warns once; ``"error"`` raises :class:`~lightning_offload.HostMemoryFull`.
         measure_copies: time every copy (``stats.d2h_ms``/``h2d_ms``); costs two events per copy.
+        plan_trials: under a memory budget, time the few plans worth comparing for three steps each (the cheapest
+            by the planner's model, the cheapest without copies, one between) and keep the fastest: the model prices
+            recompute and the link, not the host's cost per saved tensor or the allocator near a hard cap. Each step
+            of a trial waits for the one before it (a host sync). ``False``: run the model's cheapest plan.
     """
 
     mode: Mode = "streamed"
@@ -90,6 +94,7 @@ class OffloadOptions:
     host_memory_limit: int | None = None
     on_host_full: OnHostFull = "warn"
     measure_copies: bool = False
+    plan_trials: bool = True
 
     @classmethod
     def names(cls) -> list[str]:
@@ -138,9 +143,10 @@ class OffloadOptions:
         _check_host_limit(
             caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES)
         )
-        measure = kwargs.get("measure_copies", False)
-        if not isinstance(measure, bool):
-            raise TypeError(f"{caller}(measure_copies={measure!r}): measure_copies must be True or False")
+        for name in ("measure_copies", "plan_trials"):
+            flag = kwargs.get(name, False)
+            if not isinstance(flag, bool):
+                raise TypeError(f"{caller}({name}={flag!r}): {name} must be True or False")
         kwargs["compute_device"] = _parse_device(caller, kwargs.get("compute_device"))
         return cls(**kwargs)
 

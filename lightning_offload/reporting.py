@@ -30,6 +30,8 @@ METRIC_DOCS = """\
         that measures instead (the first two, and the first after the input's shape changes).
         ``offload/plan_checkpoint_blocks``: how many blocks the batch's plan checkpoints (NaN: it measured).
         ``offload/plan_peak_gib``: the peak the batch's plan predicts, in GiB (NaN: it measured).
+        ``offload/plan_trial``: 1 for a batch whose plan was being timed against others (``plan_trials``), else 0
+        (NaN: it measured).
 
     Epoch summaries (logged at the end of every training epoch, reduced over all processes with torchmetrics):
         ``offload/peak_allocated_gib_epoch_max``: the highest ``offload/peak_allocated_gib`` of the epoch (CUDA).
@@ -120,6 +122,7 @@ class StepReporter:
             metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB if plan is not None else nan
             metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks) if plan is not None else nan
             metrics["offload/plan_peak_gib"] = plan.peak / GiB if plan is not None else nan
+            metrics["offload/plan_trial"] = float(planner.trying) if plan is not None else nan
         shown = "offload/peak_allocated_gib" if cuda is not None else "offload/offloaded_gib"
         # Without a logger the values still reach ``trainer.callback_metrics`` and the progress bar; asking for the
         # logger anyway would make Lightning warn once per key.

@@ -389,7 +389,11 @@ def plan_for_budget(profile: StepProfile, budget: int) -> Plan:
     ``k`` the cheapest offload that fits is found; the cheapest ``(k, offload)`` by predicted time wins: keeping costs
     nothing, offloading costs what the link cannot hide, each checkpointed block costs its recompute.
     """
-    candidates = plan_candidates(profile, budget)
+    return cheapest_plan(plan_candidates(profile, budget))
+
+
+def cheapest_plan(candidates: Sequence[Plan]) -> Plan:
+    """What :func:`plan_for_budget` chooses from ``candidates`` (:func:`plan_candidates`' list)."""
     fitting = [p for p in candidates if p.fits]
     if fitting:
         return min(fitting, key=lambda p: (p.extra_ms, p.peak))
@@ -437,6 +441,53 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
         cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
         candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
     return candidates
+
+
+# Plans worth timing cost at most this share of a step (forward's and backward's compute) more than the cheapest by
+# the model: what the model leaves out (the host's hooks, waits for copies, allocator flushes near a hard cap) was
+# measured on an H200 at up to 2.5x a small model's step, and at 8-20% of the Llama workloads'.
+TRIAL_BAND = 0.5
+# Between the cheapest plan and the cheapest one that offloads nothing, one more is timed halfway where they are this
+# many checkpointed blocks apart.
+TRIAL_SPREAD = 3
+
+
+def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
+    """The plans under the budget worth timing against each other, most bytes offloaded first (the first pins the
+    host buffers the others reuse); one plan, or none, where nothing is worth comparing.
+
+    The model prices recompute well and copies only by the link: it leaves out the host's cost per saved tensor, the
+    waits of copies beside compute and the allocator flushing its cache near a hard cap. So along with the cheapest
+    plan by the model it offers the cheapest that offloads nothing (no hooks, no copies), one halfway between them
+    where they are far apart, and, where every plan offloads, the one that checkpoints the most (the fewest copies):
+    each within ``TRIAL_BAND`` of a step of the cheapest. A plan that keeps everything costs nothing: no other is
+    timed.
+
+    Args:
+        profile: the measured step the candidates were planned from.
+        candidates: :func:`plan_candidates`' list (one plan per number of checkpointed blocks).
+    """
+    fitting = [p for p in candidates if p.fits]
+    if not fitting:
+        return []
+    best = min(fitting, key=lambda p: (p.extra_ms, p.peak))
+    if not best.offload_bytes and not best.checkpoint_blocks:
+        return [best]
+    step_ms = profile.forward_ms + (profile.backward_ms or 2 * profile.forward_ms)
+    within = [p for p in fitting if p.extra_ms <= best.extra_ms + TRIAL_BAND * step_ms]
+    chosen = {best.checkpoint_blocks: best}
+    keeping = [p for p in within if not p.offload_bytes]
+    if keeping:
+        plain = min(keeping, key=lambda p: (p.extra_ms, p.peak))
+        chosen.setdefault(plain.checkpoint_blocks, plain)
+        low, high = sorted((best.checkpoint_blocks, plain.checkpoint_blocks))
+        if high - low >= TRIAL_SPREAD:
+            halfway = min(within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.extra_ms))
+            chosen.setdefault(halfway.checkpoint_blocks, halfway)
+    else:
+        most = max(within, key=lambda p: p.checkpoint_blocks)
+        chosen.setdefault(most.checkpoint_blocks, most)
+    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks))
 
 
 def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:

@@ -140,6 +140,7 @@ class StreamedTransfer:
         self.step = 0
         self.last_stalls: tuple[int, float] | None = None
         self.last_forward: tuple[int, float] | None = None
+        self._step_mark: Event | None = None  # where the latest step began on the compute stream
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event:
         streams, d2h = self.streams, self.streams.d2h
@@ -243,6 +244,19 @@ class StreamedTransfer:
             self._read_backward_timing()
         return self.last_backward_ms
 
+    def step_began(self, time_last: bool) -> float:
+        """Mark where a step begins on the compute stream; with ``time_last``, return the device time of the step
+        before it, from its mark to this one (a host sync: it waits for that step's work), else 0.
+
+        Device time between two marks is the step's whole cost on the device: forward, backward, the optimizer, and
+        the idle time while the host was behind (its hooks, the data), which is what plans are compared by."""
+        event = self.streams.record(self.streams.current(), timing=True)
+        previous, self._step_mark = self._step_mark, event
+        if not time_last or previous is None:
+            return 0.0
+        event.synchronize()
+        return previous.elapsed_time(event)
+
     def mark(self) -> Mark | None:
         """A point of a forward, for :meth:`compute_ms_between` (``None`` where the forward's waits are not timed)."""
         timed = self._open
@@ -295,6 +309,7 @@ class StreamedTransfer:
         for timer in (self._stall, self._d2h_timer, self._h2d_timer):
             timer.discard()
         self._forward = self._open = self._backward = None
+        self._step_mark = None
 
 
 Transfer = SyncTransfer | StreamedTransfer

@@ -4,6 +4,7 @@ re-plans when a step passes the budget or the input changes, and leaves the mode
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any
@@ -16,7 +17,7 @@ from lightning_offload import OffloadOptions, offload_activations
 from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
-from lightning_offload.schedule import StepProfile, plan_candidates
+from lightning_offload.schedule import StepProfile, cheapest_plan, plan_candidates, trial_plans
 from lightning_offload.streams import SimulatedStreams
 from tests.models import assert_same_grads
 
@@ -70,6 +71,10 @@ class FakeMemory:
         self.base, self.transient, self._total = base, transient, total
         self.engine: OffloadEngine | None = None
         self.unhooked_resident = 0  # what a step without hooks keeps (all activations): learnt from a hooked step
+        # Or, where these are set, what the model saves on this input with the blocks checkpointed then.
+        self.unhooked_model: nn.Module | None = None
+        self.unhooked_input: torch.Tensor | None = None
+        self._unhooked: dict[tuple[str, ...], int] = {}
         self._peak = 0
         self._finished: object = None
         self.peaks: list[int] = []
@@ -80,8 +85,16 @@ class FakeMemory:
         if stats is self._finished:
             return 0  # between steps: the previous step's activations are gone
         if stats.saved_tensors == 0:
-            return self.unhooked_resident
+            return self._unhooked_bytes()
         return stats.eligible_bytes - stats.offloaded_bytes
+
+    def _unhooked_bytes(self) -> int:
+        if self.unhooked_model is None or self.unhooked_input is None:
+            return self.unhooked_resident
+        names = tuple(checkpointed_modules(self.unhooked_model))
+        if names not in self._unhooked:
+            self._unhooked[names] = activation_bytes(self.unhooked_input, checkpointed=list(names))
+        return self._unhooked[names]
 
     def total(self) -> int:
         return self._total
@@ -103,10 +116,15 @@ class FakeMemory:
         self._peak = 0
 
 
-def planned_engine(budget: int | str, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams) -> OffloadEngine:
+def planned_engine(
+    budget: int | str, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams, trials: bool = False
+) -> OffloadEngine:
+    """An engine planning under ``budget``; without ``trials`` it runs the model's cheapest plan (what most tests here
+    check), with them it times the plans worth comparing."""
     options = OffloadOptions.create(
         "test",
         memory_budget=budget,
+        plan_trials=trials,
         compute_device="cpu",
         min_tensor_bytes=0,
         resident_tail_bytes=0,
@@ -141,12 +159,15 @@ def run_steps(engine: OffloadEngine, model: nn.Module, x: torch.Tensor, steps: i
     return out
 
 
-def activation_bytes(x: torch.Tensor, frugal: bool = False) -> int:
+def activation_bytes(x: torch.Tensor, frugal: bool = False, checkpointed: list[str] | None = None) -> int:
     """The eligible bytes one step of ``Stack`` saves (measured with an engine that only counts); ``frugal``: with
-    every block but the second checkpointed, as a frugal measuring step runs."""
+    every block but the second checkpointed, as a frugal measuring step runs; ``checkpointed``: with these blocks
+    checkpointed."""
     model = Stack()
     if frugal:
-        apply_checkpointing(model, [f"blocks.{i}" for i in range(BLOCKS) if i != 1])
+        checkpointed = [f"blocks.{i}" for i in range(BLOCKS) if i != 1]
+    if checkpointed:
+        apply_checkpointing(model, checkpointed)
     engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
     with engine:
         loss = model(x)
@@ -516,11 +537,12 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
 
 def weights_on_the_device(x: torch.Tensor) -> tuple[int, Stack, FakeMemory]:
     """Activation bytes of ``x``, a ``Stack`` on a fast simulated link, and counters with 4x those bytes of weights
-    (backward leaves the head above zero, so plans count the head's backward apart) and a loss transient of 1.2x."""
+    (backward leaves the head above zero, so plans count the head's backward apart) and a loss transient of 1.2x;
+    a step without hooks keeps what the model saves with the blocks checkpointed then."""
     act = activation_bytes(x)
     model = Stack(SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB)))
     memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
-    memory.unhooked_resident = act
+    memory.unhooked_model, memory.unhooked_input = model, x
     return act, model, memory
 
 
@@ -547,47 +569,110 @@ def test_a_heavier_step_corrects_plans_that_count_the_heads_backward_apart() -> 
     assert memory.peaks[-1] <= budget
 
 
-def test_a_planned_step_whose_allocator_flushed_its_cache_plans_lower(caplog: pytest.LogCaptureFixture) -> None:
-    """At a hard cap the allocator, finding no room, frees its cached blocks and tries again: a device sync, and the
-    blocks allocated anew. A planned step that did so (its optimizer step included) makes the plan aim lower; steps
-    that did not change nothing."""
+def slow_hooks(engine: OffloadEngine, sim: SimulatedStreams, ms: float) -> None:
+    """Every saved tensor the engine's hooks see costs ``ms`` of simulated time (the host's Python per tensor, which
+    the planner's model does not price)."""
+    pack = engine._pack
+
+    def slow_pack(tensor: torch.Tensor) -> Any:
+        sim.advance(ms)
+        return pack(tensor)
+
+    engine._pack = slow_pack  # type: ignore[method-assign]
+
+
+def test_trials_time_the_plans_worth_comparing_and_keep_the_fastest(caplog: pytest.LogCaptureFixture) -> None:
+    """The model's cheapest plan offloads (its copies hide behind compute), but every saved tensor the hooks see costs
+    time the model does not know of. The plans worth comparing run three steps each, timed from step start to step
+    start, and the fastest is kept: one that offloads nothing (no hooks at all). Every step stays within the budget,
+    the gradients are the same, and later steps keep the plan."""
     x = torch.randn(BATCH, WIDTH)
     act, model, memory = weights_on_the_device(x)
     sim = model.sim
     assert sim is not None
-    flushes = [0]
-    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
     budget = 6 * act
-    engine = planned_engine(budget, memory, model, sim)
-    run_steps(engine, model, x, 4)
-    planner = engine.planner
-    assert planner is not None and planner.plan is not None and planner.profile is not None
-    first, profile = planner.plan, planner.profile
-    assert profile.correction == 0
-    run_steps(engine, model, x, 2)
-    assert planner.plan.peak == first.peak and planner.profile.correction == 0  # no flush, no change
-    forward = model.blocks[0].forward
-
-    def flushing_forward(h: torch.Tensor) -> torch.Tensor:
-        flushes[0] += 1
-        return forward(h)
-
-    model.blocks[0].forward = flushing_forward  # type: ignore[method-assign]
+    engine = planned_engine(budget, memory, model, sim, trials=True)
+    slow_hooks(engine, sim, ms=1.0)
     with caplog.at_level(logging.INFO, logger="lightning_offload"):
-        steps = run_steps(engine, model, x, 1)
-        del model.blocks[0].forward
-        steps += run_steps(engine, model, x, 1)  # a step's end is read as the next one begins
-    assert "flushed its cache 1 time(s) in a planned step" in caplog.text
-    assert planner.profile.correction == int(budget * 0.02)
-    assert planner.plan.offload_bytes > first.offload_bytes or planner.plan.checkpoint_blocks > first.checkpoint_blocks
+        steps = run_steps(engine, model, x, 2)  # the measuring steps
+        planner = engine.planner
+        assert planner is not None and planner.profile is not None
+        model_choice = cheapest_plan(plan_candidates(planner.profile, planner.plan_budget))
+        compared = trial_plans(planner.profile, plan_candidates(planner.profile, planner.plan_budget))
+        assert model_choice.offload_bytes > 0 and len(compared) >= 2
+        assert any(p.offload_bytes == 0 for p in compared)
+        tried = []
+        for _ in range(3 * len(compared)):
+            steps += run_steps(engine, model, x, 1)  # a step's plan is chosen as it begins
+            assert planner.trying
+            tried.append((planner.plan.offload_bytes, planner.plan.checkpoint_blocks))  # type: ignore[union-attr]
+        steps += run_steps(engine, model, x, 3)
+    assert tried == [(p.offload_bytes, p.checkpoint_blocks) for p in compared for _ in range(3)]
+    assert not planner.trying
+    chosen = planner.plan
+    assert chosen is not None and chosen.offload_bytes == 0 and chosen.checkpoint_blocks > 0 and chosen.fits
+    assert [s["hooked"] for s in steps[-3:]] == [False, False, False]
+    assert f"fastest of {len(compared)} plans timed" in caplog.text
+    assert max(memory.peaks[2:]) <= budget
     for step in steps:
         assert_same_grads(step["grads"], reference_grads(x))
-    # A flush at every step (fragmentation no plan changes): the plans aim lower by a tenth of the budget at most,
-    # and only while a lower plan still fits.
-    model.blocks[0].forward = flushing_forward  # type: ignore[method-assign]
-    run_steps(engine, model, x, 12)
-    assert int(budget * 0.02) < planner.profile.correction <= budget * 0.10
-    assert planner.plan.fits
+
+
+def test_without_trials_the_models_cheapest_plan_runs() -> None:
+    """``plan_trials=False``: the plan chosen from the measured profile runs from the first planned step on, even where
+    the hooks cost what the model does not know of."""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    sim = model.sim
+    assert sim is not None
+    engine = planned_engine(6 * act, memory, model, sim, trials=False)
+    slow_hooks(engine, sim, ms=1.0)
+    run_steps(engine, model, x, 2)
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    expected = cheapest_plan(plan_candidates(planner.profile, planner.plan_budget))
+    steps = run_steps(engine, model, x, 4)
+    assert not planner.trying and planner.plan is not None
+    assert (planner.plan.offload_bytes, planner.plan.checkpoint_blocks) == (
+        expected.offload_bytes,
+        expected.checkpoint_blocks,
+    )
+    assert all(s["hooked"] for s in steps)
+
+
+def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After the trials, a step that peaks above its plan corrects the model towards memory. Where no timed plan fits
+    any more, the plans that fit now are timed in turn and the fastest is kept; a faster step's timing alone changes
+    nothing once plans were timed."""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    sim = model.sim
+    assert sim is not None
+    budget = 6 * act
+    engine = planned_engine(budget, memory, model, sim, trials=True)
+    slow_hooks(engine, sim, ms=1.0)
+    run_steps(engine, model, x, 2)
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    compared = trial_plans(planner.profile, plan_candidates(planner.profile, planner.plan_budget))
+    run_steps(engine, model, x, 3 * len(compared) + 1)
+    chosen = planner.plan
+    assert chosen is not None and not planner.trying and chosen.offload_bytes == 0
+    planner.profile = dataclasses.replace(planner.profile, forward_ms=planner.profile.forward_ms / 2)
+    run_steps(engine, model, x, 2)  # a faster forward than the profile's: the plan timed fastest stays
+    assert planner.plan == chosen
+    memory.transient += budget // 20  # the loss's transient grows
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        run_steps(engine, model, x, 2)
+        assert planner.profile.correction > 0 and planner.trying
+        steps = run_steps(engine, model, x, 12)
+    assert planner.plan is not None and planner.plan.fits and not planner.trying
+    assert planner.plan != chosen and "fastest of" in caplog.text
+    assert max(memory.peaks[-10:]) <= budget
+    for step in steps:
+        assert_same_grads(step["grads"], reference_grads(x))
 
 
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:

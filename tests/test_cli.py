@@ -53,6 +53,7 @@ NON_DEFAULT: dict[str, tuple[str, Any]] = {
     "host_memory_limit": ("1073741824", 1 << 30),
     "on_host_full": ("error", "error"),
     "measure_copies": ("true", True),
+    "plan_trials": ("false", False),
     "checkpoint": ("auto", "auto"),
     "progress_bar": ("true", True),
     "memory_picture": ("true", True),

@@ -267,7 +267,8 @@ def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) ->
 @pytest.mark.parametrize("share", [0.85, 0.6])
 def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> None:
     """A budget below the plain peak: after the two measuring steps every step's peak is within the budget, under a hard
-    cap at the budget (an allocation past it raises), and the gradients equal the plain ones."""
+    cap at the budget (an allocation past it raises), the plans under trial's included, and the gradients equal the
+    plain ones; the trials end on a plan that fits."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
@@ -280,7 +281,7 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     torch.cuda.set_per_process_memory_fraction(budget / total)
     try:
         peaks = []
-        for _ in range(5):
+        for _ in range(2 + 4 * 3 + 2):  # measuring, up to 4 plans under trial for 3 steps each, the plan kept
             peak, grads = _step_peak(model, tokens, engine)
             peaks.append(peak)
             for ref, got in zip(reference, grads, strict=True):
@@ -288,6 +289,7 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert engine.planner is not None and engine.planner.plan is not None and engine.planner.plan.fits
+    assert not engine.planner.trying
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 

@@ -96,11 +96,13 @@ def test_a_plan_pace_replaces_what_the_link_model_learnt_and_stops_learning() ->
 from lightning_offload.schedule import (  # noqa: E402
     HIDDEN_SHARE,
     OffloadModel,
+    Plan,
     StepProfile,
     _eligible,
     frugal_cap,
     plan_candidates,
     plan_for_budget,
+    trial_plans,
 )
 
 
@@ -335,3 +337,46 @@ def test_offload_model_relief_and_cost() -> None:
     assert throttled.cost_ms == pytest.approx((6 * GiB - 512 * MiB) / (50 * MiB) - 60.0)
     # Bringing 9 GiB back takes 184 ms, more than backward (200 ms) hides at 80%: 24 ms show.
     assert model.unbounded(9 * GiB).cost_ms == pytest.approx(9 * 1024 / 50 - 160.0)
+
+
+def _trial_profile(forward_ms: float = 100.0, backward_ms: float = 150.0) -> StepProfile:
+    return StepProfile(
+        peak=0, resident=0, eligible=0, forward_ms=forward_ms, link_bytes_per_ms=1.0, backward_ms=backward_ms
+    )
+
+
+def _plan(blocks: int, offload_gib: float, extra_ms: float, fits: bool = True) -> Plan:
+    return Plan(int(offload_gib * GiB), blocks, 10 * GiB, extra_ms, fits)
+
+
+def test_trial_plans_compare_the_cheapest_with_the_cheapest_without_copies_and_one_between() -> None:
+    """One plan per number of checkpointed blocks, as ``plan_candidates`` lists them: the cheapest by the model
+    offloads; the cheapest without copies checkpoints 8 blocks; halfway (4 or 5: the cheaper) is timed too; plans that
+    do not fit or cost more than half a step over the cheapest are not; the most bytes offloaded come first."""
+    profile = _trial_profile()  # a step of 250 ms: the band is 125 ms over the cheapest
+    candidates = [
+        _plan(0, 9.0, 20.0, fits=False),
+        _plan(1, 7.0, 15.0),
+        _plan(2, 6.0, 18.0),
+        _plan(4, 3.0, 30.0),
+        _plan(5, 2.0, 33.0),
+        _plan(8, 0.0, 50.0),
+        _plan(9, 0.0, 55.0),
+        _plan(16, 0.0, 200.0),
+    ]
+    chosen = trial_plans(profile, candidates)
+    assert [(p.checkpoint_blocks, p.offload_bytes) for p in chosen] == [(1, 7 * GiB), (4, 3 * GiB), (8, 0)]
+
+
+def test_trial_plans_where_every_plan_offloads_add_the_one_with_the_fewest_copies() -> None:
+    profile = _trial_profile()
+    candidates = [_plan(0, 4.0, 5.0), _plan(2, 3.0, 20.0), _plan(4, 1.0, 40.0), _plan(6, 0.5, 400.0)]
+    chosen = trial_plans(profile, candidates)
+    assert [p.checkpoint_blocks for p in chosen] == [0, 4]  # 6 blocks cost more than half a step over the cheapest
+
+
+def test_trial_plans_compare_nothing_where_keeping_everything_fits_or_nothing_fits() -> None:
+    profile = _trial_profile()
+    keep = _plan(0, 0.0, 0.0)
+    assert trial_plans(profile, [keep, _plan(1, 0.0, 10.0)]) == [keep]
+    assert trial_plans(profile, [_plan(0, 1.0, 5.0, fits=False), _plan(4, 0.5, 40.0, fits=False)]) == []
