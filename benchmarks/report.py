@@ -614,7 +614,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = None) -> str:
     """The memory-budget plan a row ran last, with the peak it predicted, and the plans timed against each other
-    with their fastest step (``-``: no planner)."""
+    with the mean of their timed steps (``-``: no planner)."""
     if not plan:
         return "-"
     offload = plan["offload_bytes"] / (1 << 30)
@@ -688,7 +688,7 @@ def markdown(results: list[dict[str, Any]], name: str) -> str:
         "how often the caching allocator found no room (a hard cap) and freed its cached blocks to try again, per "
         "timed step. plan: the memory-budget planner's last plan (blocks checkpointed + bytes offloaded per forward) "
         "and the peak allocated GiB it predicted; timed: the plans it timed against each other before keeping the "
-        "fastest (blocks + GiB offloaded: the fastest of their steps, device time from step start to step start, "
+        "fastest (blocks + GiB offloaded: the mean of their timed steps, device time from step start to step start, "
         "the planner's own clock).",
         "",
     ]

@@ -68,7 +68,7 @@ NO_BUDGET_API = "not measured: memory_budget not available"
 PLANNER_WARMUP = 3
 # Planner rows keep warming up (up to this many steps) while their plan changes, is being timed against others or they
 # pin new host buffers: what a long run sees is the settled plan, and one step that pins 15 GiB takes seconds. Two
-# measuring steps and up to four plans under trial for three steps each come first.
+# measuring steps and up to four plans under trial for four steps each come first.
 PLANNER_MAX_WARMUP = 20
 
 
@@ -523,7 +523,7 @@ class Runner:
             row["plan"] = dataclasses.asdict(planner.plan)
             row["profile"] = dataclasses.asdict(planner.profile)
             row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
-            # The plans timed against each other: blocks checkpointed, GiB offloaded, fastest step (device ms).
+            # The plans timed against each other: blocks checkpointed, GiB offloaded, mean timed step (device ms).
             row["plan_trials"] = [[k, b / GiB, ms] for k, b, ms in getattr(planner, "timed_plans", [])]
 
     def _compare_grads(self, mode: Mode) -> float | None:

@@ -1,12 +1,12 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
-The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps:
-each counts what forward saves block by block and times forward's and backward's compute (waits for copies
-excluded). Under a budget the user gave, they checkpoint every repeated block but the second and offload everything
-from the first saved tensor: the most frugal step there is, and its peak is the step's own (weights, optimizer state,
-the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. Under the
-device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no
-cost. Two, because the optimizer allocates its state in the first step. From that profile
+The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps: each
+counts what forward saves block by block and times forward's and backward's compute (waits for copies excluded). Under a
+budget the user gave, they offload everything from the first saved tensor and checkpoint every repeated block, but the
+first of them runs the second block in full (what a block saves): the most frugal steps there are, and their peaks are
+the step's own (weights, optimizer state, the loss's transient); the profile is extrapolated to no checkpointing from
+the block run in full. Under the device's own budget they keep everything unless memory passes a watermark, so a model
+that fits is measured at no cost. Two, because the optimizer allocates its state in the first step. From that profile
 :func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
 the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
 pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
@@ -84,8 +84,10 @@ _AUTO_RESERVE_SHARE = 0.10
 _WAIT_NOISE_MS = 10.0
 _WAIT_NOISE_SHARE = 0.05
 # Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
-# allocator reshapes its cache for the new plan), the fastest of the others counts.
-TRIAL_STEPS = 3
+# allocator reshapes its cache for the new plan), the mean of the others counts: near a hard cap the allocator may
+# flush its cache every other step (on an H200, 8B LoRA's plan at 70 GiB ran 1112 ms at its fastest step, 1147 ms in
+# the median of later ones, one flush a step).
+TRIAL_STEPS = 4
 # A plan under trial runs at most this many steps while its steps pin host buffers (those say nothing of its pace).
 _TRIAL_MAX_STEPS = 5
 # Trials begun per profile: a correction towards memory that leaves no timed plan fitting times those that fit (at
@@ -152,6 +154,7 @@ class BudgetPlanner:
         # bytes, the peak so far and the bytes allocated then; the peak as backward ended.
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
+        self._full_block: BlockSizes | None = None  # a measuring step's blocks, one run in full, since the last replan
         self.trials = trials
         self.trying = False  # the current plan is being timed against others
         self._trials_done = not trials  # for the current profile: plans were compared (or nothing was to compare)
@@ -167,8 +170,8 @@ class BudgetPlanner:
     @property
     def timed_plans(self) -> list[tuple[int, int, float]]:
         """The plans timed against each other for the current profile: blocks checkpointed, bytes offloaded per
-        forward, and the fastest of their timed steps (device milliseconds, start to start)."""
-        return [(k, nbytes, min(ms)) for (k, nbytes), ms in self._trial_ms.items() if ms]
+        forward, and the mean of their timed steps (device milliseconds, start to start)."""
+        return [(k, nbytes, sum(ms) / len(ms)) for (k, nbytes), ms in self._trial_ms.items() if ms]
 
     @property
     def plan_budget(self) -> int:
@@ -243,6 +246,7 @@ class BudgetPlanner:
         self.profile = None
         self._measure_left = max(self._measure_left, measuring_steps)
         self._trials_done, self.trying = not self.trials, False
+        self._full_block = None  # a new input shape saves other bytes per block
         self._trial_runs, self._trial_ms, self._compared, self._trial_rounds = {}, {}, None, 0
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
@@ -263,8 +267,13 @@ class BudgetPlanner:
         self._measuring = True
         # A frugal measuring step (below) also checkpoints every block but one: the least the step can hold (at long
         # sequences, offloading every block's activations would pin more host memory than the machine has), and the
-        # block run in full says what a block saves when it is not checkpointed.
-        if self.tripped:
+        # block run in full says what a block saves when it is not checkpointed. Once a measuring step did (the first,
+        # before the optimizer has its state), the next checkpoints every block: a block run in full was the frugal
+        # step's peak above checkpointing everything (on an H200, small-h512's second measuring step ran out of memory
+        # under a hard cap 10% above checkpointing and offloading everything).
+        if self.tripped and self._full_block is not None:
+            self._blocks.checkpoint_last(len(self._blocks))
+        elif self.tripped:
             self._blocks.checkpoint_all_but_one()
         else:
             self._blocks.checkpoint_last(0)
@@ -372,10 +381,14 @@ class BudgetPlanner:
         key = _trial_key(plan)
         return len(self._trial_ms.get(key, [])) >= TRIAL_STEPS - 1 or self._trial_runs.get(key, 0) >= _TRIAL_MAX_STEPS
 
+    def _trial_mean_ms(self, plan: Plan) -> float:
+        timings = self._trial_ms[_trial_key(plan)]
+        return sum(timings) / len(timings)
+
     def _fastest(self, plans: list[Plan]) -> Plan | None:
-        """The plan of ``plans`` whose timed steps ran fastest (``None``: none was timed)."""
+        """The plan of ``plans`` whose timed steps ran fastest on average (``None``: none was timed)."""
         timed = [p for p in plans if self._trial_ms.get(_trial_key(p))]
-        return min(timed, key=lambda p: (min(self._trial_ms[_trial_key(p)]), p.peak)) if timed else None
+        return min(timed, key=lambda p: (self._trial_mean_ms(p), p.peak)) if timed else None
 
     def _measured_profile(
         self,
@@ -390,11 +403,16 @@ class BudgetPlanner:
         """What the measuring step says about a step that checkpoints nothing.
 
         Blocks it ran checkpointed saved only their inputs and recomputed their forward in backward: what they would
-        save in full is the block run in full (the second) on average, and their recompute is taken off backward's
+        save in full is the block run in full (the second) on average, in this step or, where it checkpointed every
+        block, in the measuring step before it, and their recompute is taken off backward's
         time and off the peak (a peak in backward, above forward's, held one recomputed block, or the loss's
         backward: the step's own peak stays in the profile for plans that rebuild no block).
         """
         sizes = self._blocks.sizes()
+        if sizes.block_bytes > sizes.input_bytes:
+            self._full_block = sizes
+        elif self._full_block is not None and sizes.checkpointed == sizes.count:  # every block checkpointed
+            sizes = dataclasses.replace(sizes, block_bytes=self._full_block.block_bytes)
         block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
         blocks_ms = self._blocks.compute_ms()
         unrebuilt_peak = 0
@@ -568,12 +586,13 @@ class BudgetPlanner:
                 self.on_plan(text)
 
     def _trial_summary(self, compared: list[Plan]) -> str:
-        """The trial's outcome in words: each plan's fastest step."""
+        """The trial's outcome in words: each plan's mean step."""
         times = []
         for p in compared:
-            timings = self._trial_ms.get(_trial_key(p))
             what = f"{p.checkpoint_blocks} block(s) + {p.offload_bytes / GiB:.2f} GiB"
-            times.append(f"{what} {min(timings):.1f} ms" if timings else f"{what} not timed")
+            times.append(
+                f"{what} {self._trial_mean_ms(p):.1f} ms" if self._trial_ms.get(_trial_key(p)) else f"{what} not timed"
+            )
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
     def at_head(self, callback: Callable[[], None] | None) -> None:

@@ -138,10 +138,12 @@ class PlannedBlocks:
         """What the watched forward saved per block (blocks checkpointed then: :attr:`checkpointed`)."""
         names = {id(module): name for name, module in self.blocks}
         cut = set(self.checkpointed)
-        full = [m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]]
+        full = {key: m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]}
+        # The first block is not a typical one (see checkpoint_all_but_one): left out of the average where others ran.
+        typical = [m for key, m in full.items() if key != id(self.blocks[0][1])] or list(full.values())
         cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
-        block_bytes = sum(m[1] - m[0] for m in full) // len(full) if full else 0
-        input_bytes = sum(m[2] for m in full) // len(full) if full else 0
+        block_bytes = sum(m[1] - m[0] for m in typical) // len(typical) if typical else 0
+        input_bytes = sum(m[2] for m in typical) // len(typical) if typical else 0
         if cut_marks:
             input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
         return BlockSizes(len(full) + len(cut_marks), len(cut_marks), block_bytes, input_bytes)

@@ -82,6 +82,25 @@ def test_all_but_one_leaves_the_second_block_in_full() -> None:
     assert checkpointed_modules(single) == []  # one block: it runs in full
 
 
+def test_a_block_saves_what_the_typical_blocks_run_in_full_saved_not_the_first() -> None:
+    """Every block in full, the first with a frozen first layer fed a tensor that needs no gradient (as under LoRA):
+    the first saves less (tanh's output only, 4 widths), so the average is of the others (5 widths)."""
+    model = Stack()
+    model.blocks[0].up.requires_grad_(False)
+    blocks = PlannedBlocks(model)
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    blocks.watch(lambda: engine.collect_stats(wait=False).eligible_bytes)
+    with engine:
+        loss = model(torch.randn(BATCH, WIDTH))
+    loss.backward()
+    blocks.unwatch()
+    row = BATCH * WIDTH * 4
+    assert [end - start for start, end, _ in blocks._marks.values()] == [4 * row, 5 * row, 5 * row, 5 * row]
+    sizes = blocks.sizes()
+    assert (sizes.count, sizes.checkpointed, sizes.block_bytes, sizes.input_bytes) == (4, 0, 5 * row, row)
+    blocks.remove()
+
+
 def test_after_last_block_fires_once_per_forward_never_in_a_recompute() -> None:
     """The callback marks where forward reaches the head; a checkpointed last block's recompute in backward is not a
     forward, and removing the planner's blocks removes the hook."""
