@@ -218,6 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     except torch.cuda.OutOfMemoryError as err:
         result["oom"] = str(err)[:400]
         print("OOM:", str(err)[:400])
+        planner = engine.planner
+        if planner is not None and planner.profile is not None and "candidates" not in result:
+            # The step that ran out: its plan, and what the planner chose it from.
+            result["profile_measured"] = dataclasses.asdict(planner.profile)
+            result["candidates"] = _candidates(planner)
+            if planner.plan is not None:
+                result["oom_plan"] = dataclasses.asdict(planner.plan)
+                print("oom plan:", json.dumps(result["oom_plan"]))
     finally:
         if phases is not None:
             phases.remove()
