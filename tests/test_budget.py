@@ -677,6 +677,25 @@ def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit
         assert_same_grads(step["grads"], reference_grads(x))
 
 
+def test_plans_aim_lower_where_the_measuring_step_reserved_far_past_its_peak() -> None:
+    """A hard cap counts reserved bytes. Where the measuring step's allocator reserved more past its peak than the
+    plans' margin (5% of the budget), plans aim lower by one and a half times that gap; a small gap leaves the margin
+    as it was."""
+    x = torch.randn(BATCH, WIDTH)
+    for gap_share, expected_margin in ((0.02, 0.05), (0.06, 0.09)):
+        act, model, memory = weights_on_the_device(x)
+        sim = model.sim
+        assert sim is not None
+        budget = 6 * act
+        memory.reserved_peak = lambda memory=memory, gap=int(gap_share * budget): memory.peak() + gap  # type: ignore[attr-defined]
+        engine = planned_engine(budget, memory, model, sim)
+        run_steps(engine, model, x, 3)
+        planner = engine.planner
+        assert planner is not None and planner.plan is not None and planner.plan.fits
+        assert planner.plan_budget == pytest.approx(budget * (1 - expected_margin), rel=1e-3)
+        assert planner.plan.peak <= planner.plan_budget
+
+
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
     sim = SimulatedStreams(lag=0)
     model = Stack(sim)
