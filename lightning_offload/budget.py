@@ -69,12 +69,9 @@ _MIN_MARGIN = 3 * GiB
 # transients (on an H200, small-h512's 500 MiB of logits' gradient under a 2.03 GiB cap) need whole pages mapped while
 # partly used ones stay (86 MiB there). Its measuring step reserved 0.11 GiB past its peak, 5.4% of the budget; its
 # plan, aimed 5% below, peaked 1.5% above its prediction and ran out of memory; Llama-8B LoRA's reserved 2.3 GiB past
-# its peak, 3.3% of its budget. The gap is also what the allocator cached because the cap left room (Llama-1B's frugal
-# step reserved ~15% of a 28.9 GiB budget past its peak, its planned steps 2-4%, and counting all of it moved its plan
-# from 1.09x to 1.17x the step time without a budget): it moves plans at most twice the margin below the budget.
+# its peak, 3.3% of its budget.
 _PLAN_MARGIN_SHARE = 0.05
 _RESERVED_GAP_FACTOR = 1.5
-_MAX_MARGIN_SHARE = 2 * _PLAN_MARGIN_SHARE
 # Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
 # allocated at the first step), so the second is the one every later step looks like.
 _MEASURED_STEPS = 2
@@ -187,8 +184,7 @@ class BudgetPlanner:
     def plan_budget(self) -> int:
         """What plans aim for: a little less than the budget (the allocator rounds blocks up, and a hard cap counts
         reserved bytes), or less again where the measuring step reserved far past its peak."""
-        gap_margin = min(int(_RESERVED_GAP_FACTOR * self._reserved_gap), int(self.budget * _MAX_MARGIN_SHARE))
-        return self.budget - max(int(self.budget * _PLAN_MARGIN_SHARE), gap_margin)
+        return self.budget - max(int(self.budget * _PLAN_MARGIN_SHARE), int(_RESERVED_GAP_FACTOR * self._reserved_gap))
 
     def passed_watermark(self) -> bool:
         """Whether a measuring step's device memory just passed its watermark (true once per step): from there on
