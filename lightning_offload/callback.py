@@ -38,8 +38,9 @@ class ActivationOffloadCallback(Callback):
     removed after backward (or, when a batch may run forward again after a backward — LBFGS closures, manual
     optimization — in ``on_train_batch_end``), and always in ``on_train_batch_end``, ``on_train_epoch_end``,
     ``on_exception`` and ``teardown``. Streams and the pinned pool are created lazily, so the callback pickles
-    (``ddp_spawn``). With a memory budget (the default), the first batch is measured and a plan is chosen and
-    reported (one line at INFO); a batch whose tensors change shape is measured again.
+    (``ddp_spawn``). With a memory budget (the default), the first batches are measured and a plan is chosen and
+    reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
+    (``plan_trials``, reported too); a batch whose tensors change shape is measured again.
 
     Example::
 
