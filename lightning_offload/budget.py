@@ -11,15 +11,15 @@ that fits is measured at no cost. Two, because the optimizer allocates its state
 the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
 pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
 (:func:`~lightning_offload.schedule.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
-each run ``TRIAL_STEPS`` steps, timed on the device from step start to step start, and the fastest is kept: the model
-prices recompute and the link, not the host's hooks, copies slowing compute or the allocator flushing its cache near a
-hard cap, and a few steps of a long run measure what it cannot. A step whose peak passes the budget anyway corrects the
-model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard cap on the next), keeping
-the fastest timed plan that still fits; a step whose compute ran faster than measured corrects the timing; a step that
-waited for copies clearly longer than its plan predicted lowers the link's share in the model, and two steps in a row
-whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one way: towards
-checkpointing; once plans were timed, what was measured decides instead); a step whose allocator reserved past the
-budget counts as that much heavier.
+each run a few steps (:mod:`~lightning_offload.plan_trials`), timed on the device from step start to step start, and the
+fastest is kept: the model prices recompute and the link, not the host's hooks, copies slowing compute or the allocator
+flushing its cache near a hard cap, and a few steps of a long run measure what it cannot. A step whose peak passes the
+budget anyway corrects the model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard
+cap on the next), keeping the fastest timed plan that still fits; a step whose compute ran faster than measured corrects
+the timing; a step that waited for copies clearly longer than its plan predicted lowers the link's share in the model,
+and two steps in a row whose forward computed clearly slower with copies teach a cost per GiB offloaded (both only one
+way: towards checkpointing; once plans were timed, what was measured decides instead); a step whose allocator reserved
+past the budget counts as that much heavier.
 
 The measuring steps also note where backward leaves the head (the loss's and the head's saved bytes, used first): the
 peak up to there and what is allocated then. Plans then count the step's peaks apart (forward's, the loss's backward,
@@ -43,6 +43,7 @@ from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
+from lightning_offload.plan_trials import PlanTrials
 from lightning_offload.planned_blocks import BlockSizes, PlannedBlocks
 from lightning_offload.schedule import (
     REBUILD_SHARE,
@@ -53,7 +54,6 @@ from lightning_offload.schedule import (
     frugal_cap,
     offload_cost_ms,
     plan_candidates,
-    trial_plans,
 )
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
@@ -91,16 +91,6 @@ _AUTO_RESERVE_SHARE = 0.10
 # compute share memory bandwidth, and single steps vary.
 _WAIT_NOISE_MS = 10.0
 _WAIT_NOISE_SHARE = 0.05
-# Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
-# allocator reshapes its cache for the new plan), the mean of the others counts: near a hard cap the allocator may
-# flush its cache every other step (on an H200, 8B LoRA's plan at 70 GiB ran 1112 ms at its fastest step, 1147 ms in
-# the median of later ones, one flush a step).
-TRIAL_STEPS = 4
-# A plan under trial runs at most this many steps while its steps pin host buffers (those say nothing of its pace).
-_TRIAL_MAX_STEPS = 5
-# Trials begun per profile: a correction towards memory that leaves no timed plan fitting times those that fit (at
-# most this many times in all; then the model's cheapest plan runs).
-_TRIAL_ROUNDS = 3
 
 
 def default_budget(total: int) -> int:
@@ -164,23 +154,22 @@ class BudgetPlanner:
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
         self._full_block: BlockSizes | None = None  # a measuring step's blocks, one run in full, since the last replan
         self._reserved_gap = 0  # what the latest measuring step's allocator reserved past its peak allocated
-        self.trials = trials
-        self.trying = False  # the current plan is being timed against others
-        self._trials_done = not trials  # for the current profile: plans were compared (or nothing was to compare)
-        self._trial_runs: dict[tuple[int, int], int] = {}  # plans under trial (``_trial_key``): steps run
-        self._trial_ms: dict[tuple[int, int], list[float]] = {}  # ... and the device time of the steps that count
-        self._trial_rounds = 0  # trials begun for the current profile (a correction may make the timed plans unfit)
-        self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
+        self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
 
     @property
     def measuring(self) -> bool:
         return self._measuring
 
     @property
+    def trying(self) -> bool:
+        """Whether the current plan is being timed against others (:class:`PlanTrials`)."""
+        return self._trials.trying
+
+    @property
     def timed_plans(self) -> list[tuple[int, int, float]]:
         """The plans timed against each other for the current profile: blocks checkpointed, bytes offloaded per
         forward, and the mean of their timed steps (device milliseconds, start to start)."""
-        return [(k, nbytes, sum(ms) / len(ms)) for (k, nbytes), ms in self._trial_ms.items() if ms]
+        return self._trials.timed_plans()
 
     @property
     def plan_budget(self) -> int:
@@ -254,9 +243,8 @@ class BudgetPlanner:
             raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
         self.profile = None
         self._measure_left = max(self._measure_left, measuring_steps)
-        self._trials_done, self.trying = not self.trials, False
+        self._trials.reset()
         self._full_block = None  # a new input shape saves other bytes per block
-        self._trial_runs, self._trial_ms, self._compared, self._trial_rounds = {}, {}, None, 0
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
@@ -334,7 +322,7 @@ class BudgetPlanner:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
-            timed = self._timed_trial_step(plan, step_ms)
+            timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed
             # block rebuilt in backward, copies in flight and fetched ahead), so a step that peaked where predicted
@@ -376,29 +364,6 @@ class BudgetPlanner:
         test's fake)."""
         read = getattr(self.memory, name, None)
         return read() if read is not None else 0
-
-    def _timed_trial_step(self, plan: Plan, step_ms: float) -> bool:
-        """Count a step of ``plan`` while it is under trial; whether that plan's trial is now over."""
-        if not self.trying:
-            return False
-        key = _trial_key(plan)
-        runs = self._trial_runs[key] = self._trial_runs.get(key, 0) + 1
-        if runs > 1 and step_ms > 0 and self.step not in self._pinning_steps:
-            self._trial_ms.setdefault(key, []).append(step_ms)
-        return self._trial_over(plan)
-
-    def _trial_over(self, plan: Plan) -> bool:
-        key = _trial_key(plan)
-        return len(self._trial_ms.get(key, [])) >= TRIAL_STEPS - 1 or self._trial_runs.get(key, 0) >= _TRIAL_MAX_STEPS
-
-    def _trial_mean_ms(self, plan: Plan) -> float:
-        timings = self._trial_ms[_trial_key(plan)]
-        return sum(timings) / len(timings)
-
-    def _fastest(self, plans: list[Plan]) -> Plan | None:
-        """The plan of ``plans`` whose timed steps ran fastest on average (``None``: none was timed)."""
-        timed = [p for p in plans if self._trial_ms.get(_trial_key(p))]
-        return min(timed, key=lambda p: (self._trial_mean_ms(p), p.peak)) if timed else None
 
     def _measured_profile(
         self,
@@ -546,37 +511,19 @@ class BudgetPlanner:
             self._choose()
 
     def _choose(self, memory: bool = False) -> None:
-        """Choose the plan for the next step from the profile: the next plan to time while plans are under trial,
-        then the fastest timed one. Which plans are compared is settled as the trials begin (what a faster step
-        teaches about time must not swap them midway); a correction towards ``memory`` settles it anew. Once plans
-        were timed, only such a correction chooses again (the fastest timed plan that still fits; the model's cheapest
-        where none does): what later steps teach about time is what the trials measured."""
+        """Choose the plan for the next step from the profile: the model's cheapest, or, while plans are under
+        trial, the next to time, then the fastest timed (:class:`PlanTrials`). Once plans were timed, only a
+        correction towards ``memory`` chooses again (the fastest timed plan that still fits, or the plans that fit now
+        timed in turn): what later steps teach about time is what the trials measured."""
         assert self.profile is not None
         candidates = plan_candidates(self.profile, self.plan_budget)
-        plan, trial = cheapest_plan(candidates), ""
-        self.trying = False
-        if self._trials_done and self._trial_ms:
+        plan, trials = cheapest_plan(candidates), self._trials
+        if trials.done and trials.timed:
             if not memory:
                 return
-            fastest = self._fastest([p for p in candidates if p.fits])
-            if fastest is not None:
-                plan = fastest
-            elif self._trial_rounds < _TRIAL_ROUNDS:  # no plan timed fits any more: time the ones that do
-                self._trials_done, self._compared = False, None
-        if not self._trials_done:
-            if memory or self._compared is None:
-                self._trial_rounds += self._compared is None
-                self._compared = trial_plans(self.profile, candidates)
-            compared = self._compared
-            waiting = [p for p in compared if not self._trial_over(p)]
-            if len(compared) > 1 and waiting:
-                plan, self.trying = waiting[0], True
-                trial = f"timing plan {compared.index(plan) + 1} of {len(compared)}: "
-            else:
-                self._trials_done = True
-                fastest = self._fastest(compared)
-                if fastest is not None:
-                    plan, trial = fastest, self._trial_summary(compared)
+            plan = trials.after_correction(candidates) or plan
+        chosen, trial = trials.choose(self.profile, candidates, memory)
+        plan = chosen or plan
         plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
         changed = plan != self.plan
         self.plan = plan
@@ -595,16 +542,6 @@ class BudgetPlanner:
             if self.on_plan is not None:
                 self.on_plan(text)
 
-    def _trial_summary(self, compared: list[Plan]) -> str:
-        """The trial's outcome in words: each plan's mean step."""
-        times = []
-        for p in compared:
-            what = f"{p.checkpoint_blocks} block(s) + {p.offload_bytes / GiB:.2f} GiB"
-            times.append(
-                f"{what} {self._trial_mean_ms(p):.1f} ms" if self._trial_ms.get(_trial_key(p)) else f"{what} not timed"
-            )
-        return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
-
     def at_head(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` as each forward of the steps from now on reaches the head (its last block returned);
         ``None``: stop."""
@@ -613,12 +550,6 @@ class BudgetPlanner:
     def remove(self) -> None:
         """Leave the model as it was: drop this planner's checkpointing and hooks."""
         self._blocks.remove()
-
-
-def _trial_key(plan: Plan) -> tuple[int, int]:
-    """What a timing under trial belongs to: the blocks checkpointed and the bytes offloaded (a plan that checkpoints
-    as many blocks but offloads more after a correction is another plan)."""
-    return plan.checkpoint_blocks, plan.offload_bytes
 
 
 def planner_for(

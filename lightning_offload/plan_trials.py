@@ -1,0 +1,130 @@
+"""Plans under a memory budget timed against each other: which one runs next, and which one ran fastest.
+
+The budget planner's model prices recompute and the link, not the host's cost per saved tensor, copies slowing
+compute, or the allocator flushing its cache near a hard cap. So the few plans worth comparing
+(:func:`~lightning_offload.schedule.trial_plans`) each run ``TRIAL_STEPS`` steps, timed on the device from step start
+to step start, and the fastest is kept. This module holds that bookkeeping: plain plans and milliseconds in, a plan
+out; :class:`~lightning_offload.budget.BudgetPlanner` feeds it each step's time.
+
+Torch only: no Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_offload.schedule import Plan, StepProfile, trial_plans
+
+GiB = 1 << 30
+# Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
+# allocator reshapes its cache for the new plan), the mean of the others counts: near a hard cap the allocator may
+# flush its cache every other step (on an H200, 8B LoRA's plan at 70 GiB ran 1112 ms at its fastest step, 1147 ms in
+# the median of later ones, one flush a step).
+TRIAL_STEPS = 4
+# A plan under trial runs at most this many steps while its steps pin host buffers (those say nothing of its pace).
+_TRIAL_MAX_STEPS = 5
+# Trials begun per profile: a correction towards memory that leaves no timed plan fitting times those that fit (at
+# most this many times in all; then the model's cheapest plan runs).
+_TRIAL_ROUNDS = 3
+
+
+class PlanTrials:
+    """The trials of one profile (:meth:`reset` for a new one).
+
+    Args:
+        enabled: time plans at all (``False``: :attr:`done` from the start, the model's cheapest plan runs).
+
+    Attributes:
+        trying: the plan chosen last is under trial.
+        done: the plans were compared (or nothing was to compare).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every timing: a new profile (a new input shape) compares its own plans."""
+        self.trying = False
+        self.done = not self.enabled
+        self._runs: dict[tuple[int, int], int] = {}  # plans under trial (``_key``): steps run
+        self._ms: dict[tuple[int, int], list[float]] = {}  # ... and the device time of the steps that count
+        self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
+        self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
+
+    @property
+    def timed(self) -> bool:
+        """Whether any plan was timed."""
+        return any(self._ms.values())
+
+    def timed_plans(self) -> list[tuple[int, int, float]]:
+        """The plans timed: blocks checkpointed, bytes offloaded per forward, mean device milliseconds per step."""
+        return [(k, nbytes, sum(ms) / len(ms)) for (k, nbytes), ms in self._ms.items() if ms]
+
+    def count(self, plan: Plan, step_ms: float, pinned: bool) -> bool:
+        """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
+        says nothing of the plan's pace). Whether the plan's trial is now over (``False`` when none runs)."""
+        if not self.trying:
+            return False
+        key = _key(plan)
+        runs = self._runs[key] = self._runs.get(key, 0) + 1
+        if runs > 1 and step_ms > 0 and not pinned:
+            self._ms.setdefault(key, []).append(step_ms)
+        return self._over(plan)
+
+    def choose(self, profile: StepProfile, candidates: Sequence[Plan], memory: bool) -> tuple[Plan | None, str]:
+        """The plan for the next step while trials run, and the words to report it with.
+
+        Which plans are compared is settled as the trials begin (what a faster step teaches about time must not swap
+        them midway); a correction towards ``memory`` settles it anew. Returns the next plan to time; once every plan
+        was, the fastest and the trials' outcome (``None`` and no words where nothing was timed: the caller's plan).
+        """
+        if self.done:
+            return None, ""
+        if memory or self._compared is None:
+            self._rounds += self._compared is None
+            self._compared = trial_plans(profile, candidates)
+        compared = self._compared
+        waiting = [p for p in compared if not self._over(p)]
+        if len(compared) > 1 and waiting:
+            self.trying = True
+            return waiting[0], f"timing plan {compared.index(waiting[0]) + 1} of {len(compared)}: "
+        self.trying, self.done = False, True
+        fastest = self.fastest(compared)
+        return (fastest, self._summary(compared)) if fastest is not None else (None, "")
+
+    def after_correction(self, candidates: Sequence[Plan]) -> Plan | None:
+        """After the trials, the model was corrected towards memory: the fastest timed plan among ``candidates`` that
+        fits, or ``None``, in which case the plans that fit now are timed (within the rounds allowed)."""
+        self.trying = False
+        fastest = self.fastest([p for p in candidates if p.fits])
+        if fastest is None and self._rounds < _TRIAL_ROUNDS:
+            self.done, self._compared = False, None
+        return fastest
+
+    def fastest(self, plans: Sequence[Plan]) -> Plan | None:
+        """The plan of ``plans`` whose timed steps ran fastest on average (``None``: none was timed)."""
+        timed = [p for p in plans if self._ms.get(_key(p))]
+        return min(timed, key=lambda p: (self._mean_ms(p), p.peak)) if timed else None
+
+    def _over(self, plan: Plan) -> bool:
+        key = _key(plan)
+        return len(self._ms.get(key, [])) >= TRIAL_STEPS - 1 or self._runs.get(key, 0) >= _TRIAL_MAX_STEPS
+
+    def _mean_ms(self, plan: Plan) -> float:
+        timings = self._ms[_key(plan)]
+        return sum(timings) / len(timings)
+
+    def _summary(self, compared: list[Plan]) -> str:
+        """The trials' outcome in words: each plan's mean step."""
+        times = []
+        for p in compared:
+            what = f"{p.checkpoint_blocks} block(s) + {p.offload_bytes / GiB:.2f} GiB"
+            times.append(f"{what} {self._mean_ms(p):.1f} ms" if self._ms.get(_key(p)) else f"{what} not timed")
+        return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
+
+
+def _key(plan: Plan) -> tuple[int, int]:
+    """What a timing belongs to: the blocks checkpointed and the bytes offloaded (a plan that checkpoints as many
+    blocks but offloads more after a correction is another plan)."""
+    return plan.checkpoint_blocks, plan.offload_bytes

@@ -1,0 +1,88 @@
+"""Plans timed against each other: each runs a settling step and three timed ones, the fastest on average is kept,
+and a correction towards memory after the trials keeps the fastest plan that still fits or times the ones that do."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lightning_offload.plan_trials import TRIAL_STEPS, PlanTrials
+from lightning_offload.schedule import Plan, StepProfile
+
+GiB = 1 << 30
+PROFILE = StepProfile(peak=0, resident=0, eligible=0, forward_ms=100.0, link_bytes_per_ms=1.0, backward_ms=150.0)
+# One plan per number of checkpointed blocks, as ``plan_candidates`` lists them: the cheapest by the model offloads,
+# the cheapest without copies checkpoints 6 blocks, halfway is 3.
+CANDIDATES = [
+    Plan(4 * GiB, 0, 10 * GiB, 5.0, True),
+    Plan(3 * GiB, 1, 10 * GiB, 10.0, True),
+    Plan(2 * GiB, 3, 10 * GiB, 20.0, True),
+    Plan(0, 6, 10 * GiB, 30.0, True),
+]
+STEP_MS = {0: 120.0, 3: 110.0, 6: 100.0}  # what each plan's steps take: the one without copies is fastest
+
+
+def run_trials(
+    trials: PlanTrials, step_ms: dict[int, float], pinned_steps: set[int] | None = None
+) -> tuple[list[Plan], Plan | None, str]:
+    """Choose and run plans until the trials are over: the plans each step ran, in order, then the plan kept and the
+    words it was reported with."""
+    ran = []
+    plan, words = trials.choose(PROFILE, CANDIDATES, memory=False)
+    while trials.trying:
+        assert plan is not None
+        ran.append(plan)
+        pinned = len(ran) in (pinned_steps or set())
+        if trials.count(plan, step_ms[plan.checkpoint_blocks], pinned):
+            plan, words = trials.choose(PROFILE, CANDIDATES, memory=False)
+    return ran, plan, words
+
+
+def test_each_plan_runs_a_settling_step_and_three_timed_ones_the_fastest_is_kept() -> None:
+    trials = PlanTrials(enabled=True)
+    ran, kept, words = run_trials(trials, STEP_MS)
+    assert [p.checkpoint_blocks for p in ran] == [0] * TRIAL_STEPS + [3] * TRIAL_STEPS + [6] * TRIAL_STEPS
+    assert trials.done and not trials.trying and kept == CANDIDATES[3]
+    assert words == (
+        "fastest of 3 plans timed (0 block(s) + 4.00 GiB 120.0 ms; 3 block(s) + 2.00 GiB 110.0 ms; "
+        "6 block(s) + 0.00 GiB 100.0 ms): "
+    )
+    assert sorted(trials.timed_plans()) == [(0, 4 * GiB, 120.0), (3, 2 * GiB, 110.0), (6, 0, 100.0)]
+
+
+def test_a_settling_step_and_steps_that_pinned_host_memory_are_not_timed() -> None:
+    """Steps 2 and 3 (the first plan's first timed ones) pinned host buffers: the plan runs two steps more, at most
+    five in all."""
+    trials = PlanTrials(enabled=True)
+    ran, _, _ = run_trials(trials, STEP_MS, pinned_steps={2, 3})
+    assert [p.checkpoint_blocks for p in ran][:6] == [0, 0, 0, 0, 0, 3]
+
+
+def test_the_fastest_on_average_is_kept_and_a_new_profile_times_again() -> None:
+    trials = PlanTrials(enabled=True)
+    run_trials(trials, STEP_MS)
+    trials.reset()
+    assert not trials.done and not trials.timed
+    _, kept, _ = run_trials(trials, {0: 90.0, 3: 110.0, 6: 100.0})
+    assert kept == CANDIDATES[0]
+
+
+def test_disabled_or_nothing_to_compare_times_nothing() -> None:
+    off = PlanTrials(enabled=False)
+    assert off.done and off.choose(PROFILE, CANDIDATES, memory=False) == (None, "")
+    keep = PlanTrials(enabled=True)
+    keeps_everything = [Plan(0, 0, 10 * GiB, 0.0, True)]
+    assert keep.choose(PROFILE, keeps_everything, memory=False) == (None, "") and keep.done and not keep.trying
+
+
+def test_after_a_correction_the_fastest_timed_plan_that_fits_or_the_plans_that_fit_now_timed() -> None:
+    trials = PlanTrials(enabled=True)
+    run_trials(trials, STEP_MS)
+    # The plan without copies no longer fits; the one halfway still does as it was timed.
+    corrected = [*CANDIDATES[:3], replace(CANDIDATES[3], fits=False)]
+    assert trials.after_correction(corrected) == CANDIDATES[2] and trials.done
+    # No timed plan fits as it was timed (each offloads a GiB more): the plans that fit now are timed in turn, here
+    # the cheapest and the one with the fewest copies (every plan offloads).
+    moved = [replace(p, offload_bytes=p.offload_bytes + GiB) for p in CANDIDATES]
+    assert trials.after_correction(moved) is None and not trials.done
+    plan, words = trials.choose(PROFILE, moved, memory=True)
+    assert plan == moved[0] and trials.trying and words == "timing plan 1 of 2: "
