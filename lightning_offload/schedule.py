@@ -188,8 +188,7 @@ class StepProfile:
         copy_ms_per_gib: how much slower forward's compute ran per GiB offloaded in planned steps (copies share the
             device's memory and the host's time with compute), waits excluded; learnt by :class:`BudgetPlanner`.
         correction: bytes planned steps needed beyond their plans' predictions (peaks above them, reserved bytes past
-            the budget, the allocator flushing its cache): added to every plan's peak; learnt by
-            :class:`BudgetPlanner`, only ever higher.
+            the budget): added to every plan's peak; learnt by :class:`BudgetPlanner`, only ever higher.
     """
 
     peak: int
