@@ -746,6 +746,8 @@ def test_plan_keys_are_logged_only_for_batches_that_ran_the_plan(
     assert len(rows) == 5
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
     assert [row["offload/plan_checkpoint_blocks"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]
+    # A plan that keeps everything is not timed against others.
+    assert [row["offload/plan_trial"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]
     assert {row["offload/memory_budget_gib"] for row in rows} == {"8.0"}
 
 
