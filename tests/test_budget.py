@@ -582,18 +582,27 @@ def slow_hooks(engine: OffloadEngine, sim: SimulatedStreams, ms: float, hook: st
     setattr(engine, hook, slow)
 
 
+def slow_hooked_engine(
+    x: torch.Tensor, trials: bool, hook: str = "_pack"
+) -> tuple[int, Stack, FakeMemory, OffloadEngine]:
+    """The budget, model, counters and engine of the trial tests: weights on the device, a budget of six
+    times the activations, and ``hook`` costing 1 ms of simulated time per saved tensor (:func:`slow_hooks`)."""
+    act, model, memory = weights_on_the_device(x)
+    sim = model.sim
+    assert sim is not None
+    budget = 6 * act
+    engine = planned_engine(budget, memory, model, sim, trials=trials)
+    slow_hooks(engine, sim, ms=1.0, hook=hook)
+    return budget, model, memory, engine
+
+
 def test_trials_time_the_plans_worth_comparing_and_keep_the_fastest(caplog: pytest.LogCaptureFixture) -> None:
     """The model's cheapest plan offloads (its copies hide behind compute), but every saved tensor the hooks see costs
     time the model does not know of. The plans worth comparing run four steps each, timed from step start to step
     start, and the fastest is kept: one that offloads nothing (no hooks at all). Every step stays within the budget,
     the gradients are the same, and later steps keep the plan."""
     x = torch.randn(BATCH, WIDTH)
-    act, model, memory = weights_on_the_device(x)
-    sim = model.sim
-    assert sim is not None
-    budget = 6 * act
-    engine = planned_engine(budget, memory, model, sim, trials=True)
-    slow_hooks(engine, sim, ms=1.0)
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
     with caplog.at_level(logging.INFO, logger="lightning_offload"):
         steps = run_steps(engine, model, x, 2)  # the measuring steps
         planner = engine.planner
@@ -623,11 +632,7 @@ def test_without_trials_the_models_cheapest_plan_runs() -> None:
     """``plan_trials=False``: the plan chosen from the measured profile runs from the first planned step on, even where
     the hooks cost what the model does not know of."""
     x = torch.randn(BATCH, WIDTH)
-    act, model, memory = weights_on_the_device(x)
-    sim = model.sim
-    assert sim is not None
-    engine = planned_engine(6 * act, memory, model, sim, trials=False)
-    slow_hooks(engine, sim, ms=1.0)
+    _, model, _, engine = slow_hooked_engine(x, trials=False)
     run_steps(engine, model, x, 2)
     planner = engine.planner
     assert planner is not None and planner.profile is not None
@@ -649,12 +654,7 @@ def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit
     nothing once plans were timed. (The hooks cost time in backward here: a forward slowed by them would teach the
     model a cost per GiB offloaded that leaves nothing but checkpointing to compare.)"""
     x = torch.randn(BATCH, WIDTH)
-    act, model, memory = weights_on_the_device(x)
-    sim = model.sim
-    assert sim is not None
-    budget = 6 * act
-    engine = planned_engine(budget, memory, model, sim, trials=True)
-    slow_hooks(engine, sim, ms=1.0, hook="_unpack")
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True, hook="_unpack")
     run_steps(engine, model, x, 2)
     planner = engine.planner
     assert planner is not None and planner.profile is not None
