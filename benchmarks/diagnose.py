@@ -128,7 +128,8 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
         record["fwd_peak_gib"] = round(planner.forward_peak / GiB, 2)  # the peak as backward began
         if planner.plan is not None:
             plan = planner.plan
-            record["plan"] = f"ckpt {plan.checkpoint_blocks}, offload {plan.offload_bytes / GiB:.2f} GiB"
+            parts = " by parts" if plan.split else ""
+            record["plan"] = f"ckpt {plan.checkpoint_blocks}{parts}, offload {plan.offload_bytes / GiB:.2f} GiB"
         if planner.profile is not None:
             record["link_share"] = round(planner.profile.link_share, 3)
     return record
@@ -138,6 +139,7 @@ def _candidates(planner: Any) -> list[dict[str, Any]]:
     return [
         {
             "ckpt": c.checkpoint_blocks,
+            "split": c.split,
             "offload_gib": round(c.offload_bytes / GiB, 2),
             "peak_gib": round(c.peak / GiB, 2),
             "cost_ms": round(c.extra_ms, 1),

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         "plain_ms": statistics.median(plain) * 1e3,
         "default_ms": statistics.median(default) * 1e3,
         "ratio": statistics.median(default) / statistics.median(plain),
-        "plan": None if plan is None else f"ckpt {plan.checkpoint_blocks}, offload {plan.offload_bytes} bytes",
+        "plan": None
+        if plan is None
+        else f"ckpt {plan.checkpoint_blocks}{' by parts' if plan.split else ''}, offload {plan.offload_bytes} bytes",
     }
     print(json.dumps(result))
     if args.out is not None:

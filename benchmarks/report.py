@@ -618,7 +618,8 @@ def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = N
     if not plan:
         return "-"
     offload = plan["offload_bytes"] / (1 << 30)
-    cell = f"{plan['checkpoint_blocks']} ckpt + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
+    parts = " by parts" if plan.get("split") else ""
+    cell = f"{plan['checkpoint_blocks']} ckpt{parts} + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
     if trials:
         timed = "; ".join(f"{int(k)} + {gib:.2f}: {ms:.0f} ms" for k, gib, ms in trials)
         cell += f" (timed {timed})"

@@ -3,10 +3,13 @@
 The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps: each
 counts what forward saves block by block and times forward's and backward's compute (waits for copies excluded). Under a
 budget the user gave, they offload everything from the first saved tensor and checkpoint every repeated block, but the
-first of them runs the second block in full (what a block saves): the most frugal steps there are, and their peaks are
-the step's own (weights, optimizer state, the loss's transient); the profile is extrapolated to no checkpointing from
-the block run in full. Under the device's own budget they keep everything unless memory passes a watermark, so a model
-that fits is measured at no cost. Two, because the optimizer allocates its state in the first step. From that profile
+first of them runs the second block in full (what a block saves, and what each of its parts saves): the most frugal
+steps there are, and their peaks are the step's own (weights, optimizer state, the loss's transient); the profile is
+extrapolated to no checkpointing from the block run in full. The first checkpoints the other blocks by their parts
+(:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time in backward, not a whole block); the second
+checkpoints them whole, where the first step's numbers say a block rebuilt whole fits, else by parts again. Under the
+device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no
+cost. Two, because the optimizer allocates its state in the first step. From that profile
 :func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
 the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
 pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
@@ -154,6 +157,8 @@ class BudgetPlanner:
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
         self._full_block: BlockSizes | None = None  # a measuring step's blocks, one run in full, since the last replan
         self._reserved_gap = 0  # what the latest measuring step's allocator reserved past its peak allocated
+        # The latest measuring step's base, peak, and peak as its backward ended (see _measure_by_parts).
+        self._measured_peaks = (0, 0, 0)
         self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
 
     @property
@@ -191,6 +196,7 @@ class BudgetPlanner:
             what = "a measuring step, the most frugal step there is" if self.tripped else "the first measuring step"
             if self._blocks.checkpointed:
                 what += f" ({len(self._blocks.checkpointed)} of {len(self._blocks)} blocks checkpointed"
+                what += " by their parts" if self._blocks.split else ""
                 what += ", every activation offloaded)" if self.tripped else ")"
         else:
             what = f"a planned step ({self.plan.describe(self.budget)})" if self.plan is not None else "a step"
@@ -257,21 +263,22 @@ class BudgetPlanner:
         self._reserved_at_start = self._counter("reserved")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
-            self._blocks.checkpoint_last(self.plan.checkpoint_blocks)
+            self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split)
             if self._plan_since is None:
                 self._plan_since = self.step
             return self.plan
         self._measuring = True
-        # A frugal measuring step (below) also checkpoints every block but one: the least the step can hold (at long
-        # sequences, offloading every block's activations would pin more host memory than the machine has), and the
-        # block run in full says what a block saves when it is not checkpointed. Once a measuring step did (the first,
-        # before the optimizer has its state), the next checkpoints every block: a block run in full was the frugal
-        # step's peak above checkpointing everything (on an H200, small-h512's second measuring step ran out of memory
-        # under a hard cap 10% above checkpointing and offloading everything).
+        # A frugal measuring step (below) also checkpoints every block but one, by their parts: the least the step can
+        # hold (at long sequences, offloading every block's activations would pin more host memory than the machine
+        # has, and a block rebuilt whole in backward is the peak), and the block run in full says what a block and
+        # each of its parts save when not checkpointed. Once a measuring step did (the first, before the optimizer has
+        # its state), the next checkpoints every block: a block run in full was the frugal step's peak above
+        # checkpointing everything (on an H200, small-h512's second measuring step ran out of memory under a hard cap
+        # 10% above checkpointing and offloading everything).
         if self.tripped and self._full_block is not None:
-            self._blocks.checkpoint_last(len(self._blocks))
+            self._blocks.checkpoint_last(len(self._blocks), split=self._measure_by_parts())
         elif self.tripped:
-            self._blocks.checkpoint_all_but_one()
+            self._blocks.checkpoint_all_but_one(split=True)
         else:
             self._blocks.checkpoint_last(0)
         self._base = self.memory.allocated()
@@ -315,6 +322,7 @@ class BudgetPlanner:
             self.watermark = None
             self._blocks.unwatch()
             self._reserved_gap = max(0, self._counter("reserved_peak") - peak)
+            self._measured_peaks = (self._base, peak, self._backward_end_peak)
             self.profile = self._measured_profile(
                 peak, eligible, offloaded, forward_ms, backward_ms, link_bytes_per_ms, extra
             )
@@ -359,6 +367,23 @@ class BudgetPlanner:
             if changed:
                 self._choose()
 
+    def _measure_by_parts(self) -> bool:
+        """Whether the second measuring step checkpoints the blocks by their parts, as the first did: where, by the
+        first step's numbers, a block rebuilt whole would take the second past what plans aim for. Where it fits, the
+        second checkpoints them whole, as most plans do: its peaks then measure theirs (a plan by parts is estimated
+        from them), and the other way round where it does not.
+
+        The estimate errs on memory: the block's larger rebuild (``REBUILD_SHARE`` of what the block saves beyond its
+        largest part) goes on top of backward's peak (the loss's, where the blocks' own was lower), and the optimizer's
+        state allocated since the first step's start goes on top of all."""
+        first = self._full_block
+        if first is None or not first.split or not 0 < first.part_bytes < first.block_bytes:
+            return False
+        base, peak, backward_end_peak = self._measured_peaks
+        rebuilt_more = int(REBUILD_SHARE * (first.block_bytes - first.part_bytes))
+        whole = max(peak, (backward_end_peak or peak) + rebuilt_more) + max(0, self.memory.allocated() - base)
+        return whole > self.plan_budget
+
     def _counter(self, name: str) -> int:
         """The allocator counter ``name`` (``reserved``, ``reserved_peak``); 0 where the memory object has none (a
         test's fake)."""
@@ -377,28 +402,35 @@ class BudgetPlanner:
     ) -> StepProfile:
         """What the measuring step says about a step that checkpoints nothing.
 
-        Blocks it ran checkpointed saved only their inputs and recomputed their forward in backward: what they would
-        save in full is the block run in full (the second) on average, in this step or, where it checkpointed every
-        block, in the measuring step before it, and their recompute is taken off backward's
-        time and off the peak (a peak in backward, above forward's, held one recomputed block, or the loss's
-        backward: the step's own peak stays in the profile for plans that rebuild no block).
+        Blocks it ran checkpointed saved only their inputs (or their parts' inputs) and recomputed their forward in
+        backward: what they would save in full is the block run in full (the second) on average, in this step or,
+        where it checkpointed every block, in the measuring step before it, and their recompute is taken off
+        backward's time and off the peak (a peak in backward, above forward's, held one recomputed block or part, or
+        the loss's backward: the step's own peak stays in the profile for plans that rebuild no block).
         """
         sizes = self._blocks.sizes()
         if sizes.block_bytes > sizes.input_bytes:
             self._full_block = sizes
         elif self._full_block is not None and sizes.checkpointed == sizes.count:  # every block checkpointed
-            sizes = dataclasses.replace(sizes, block_bytes=self._full_block.block_bytes)
+            full = self._full_block
+            sizes = dataclasses.replace(sizes, block_bytes=full.block_bytes, part_bytes=full.part_bytes)
         block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
+        # What a block checkpointed whole saves, and by its parts: measured where this step or the one before ran so.
+        whole_input_bytes = sizes.first_input_bytes if sizes.split else input_bytes
+        split_input_bytes = input_bytes if sizes.split else 0
+        if not split_input_bytes and self._full_block is not None and self._full_block.split:
+            split_input_bytes = self._full_block.input_bytes
         blocks_ms = self._blocks.compute_ms()
         unrebuilt_peak = 0
-        if sizes.checkpointed and block_bytes > input_bytes:
-            eligible += sizes.checkpointed * (block_bytes - input_bytes)
+        if sizes.checkpointed and block_bytes > 0:
+            eligible += sizes.checkpointed * block_bytes - (sizes.cut_bytes or sizes.checkpointed * input_bytes)
             # Recompute is forward's compute again, one block each; keep at least forward's pace (a LoRA backward is
             # barely slower than its forward).
             per_block_ms = (blocks_ms or forward_ms) / sizes.count
             backward_ms = max(forward_ms, backward_ms - sizes.checkpointed * per_block_ms) if backward_ms else 0.0
+            rebuilt = sizes.part_bytes if sizes.split and sizes.part_bytes else block_bytes
             if self.forward_peak and peak > self.forward_peak:
-                unrebuilt_peak, peak = peak, max(self.forward_peak, peak - block_bytes)
+                unrebuilt_peak, peak = peak, max(self.forward_peak, peak - rebuilt)
         return StepProfile(
             **self._two_peak_fields(peak, unrebuilt_peak, sizes),
             peak=peak,
@@ -409,9 +441,11 @@ class BudgetPlanner:
             eligible=eligible,
             forward_ms=forward_ms,
             link_bytes_per_ms=link_bytes_per_ms,
-            blocks=sizes.count if block_bytes > input_bytes else 0,
+            blocks=sizes.count if block_bytes > whole_input_bytes else 0,
             block_bytes=block_bytes,
-            block_input_bytes=input_bytes,
+            block_input_bytes=whole_input_bytes,
+            split_input_bytes=split_input_bytes,
+            part_bytes=sizes.part_bytes if sizes.part_bytes < block_bytes else 0,
             block_share=min(1.0, blocks_ms / forward_ms) if forward_ms > 0 else 0.0,
             backward_ms=backward_ms,
             link_share=self._link_share,
@@ -429,6 +463,10 @@ class BudgetPlanner:
         rest = self._backward_end_peak if self._backward_end_peak > self._head_peak else 0
         if rest and not sizes.checkpointed:  # it rebuilt no block: a plan that checkpoints rebuilds one on top
             rest += int(REBUILD_SHARE * sizes.block_bytes)
+        elif rest and sizes.split and 0 < sizes.part_bytes < sizes.block_bytes:
+            # It rebuilt a part at a time: counted as a block rebuilt whole, as plans count it (plans by parts take the
+            # difference off again).
+            rest += int(REBUILD_SHARE * (sizes.block_bytes - sizes.part_bytes))
         step_peak = max(peak, unrebuilt_peak)
         return {
             "head_bytes": self._head_bytes,

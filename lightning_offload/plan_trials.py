@@ -47,8 +47,8 @@ class PlanTrials:
         """Forget every timing: a new profile (a new input shape) compares its own plans."""
         self.trying = False
         self.done = not self.enabled
-        self._runs: dict[tuple[int, int], int] = {}  # plans under trial (``_key``): steps run
-        self._ms: dict[tuple[int, int], list[float]] = {}  # ... and the device time of the steps that count
+        self._runs: dict[tuple[int, bool, int], int] = {}  # plans under trial (``_key``): steps run
+        self._ms: dict[tuple[int, bool, int], list[float]] = {}  # ... and the device time of the steps that count
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
 
@@ -59,7 +59,7 @@ class PlanTrials:
 
     def timed_plans(self) -> list[tuple[int, int, float]]:
         """The plans timed: blocks checkpointed, bytes offloaded per forward, mean device milliseconds per step."""
-        return [(k, nbytes, sum(ms) / len(ms)) for (k, nbytes), ms in self._ms.items() if ms]
+        return [(k, nbytes, sum(ms) / len(ms)) for (k, _, nbytes), ms in self._ms.items() if ms]
 
     def count(self, plan: Plan, step_ms: float, pinned: bool) -> bool:
         """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
@@ -119,12 +119,12 @@ class PlanTrials:
         """The trials' outcome in words: each plan's mean step."""
         times = []
         for p in compared:
-            what = f"{p.checkpoint_blocks} block(s) + {p.offload_bytes / GiB:.2f} GiB"
+            what = f"{p.checkpoint_blocks} block(s){' by parts' if p.split else ''} + {p.offload_bytes / GiB:.2f} GiB"
             times.append(f"{what} {self._mean_ms(p):.1f} ms" if self._ms.get(_key(p)) else f"{what} not timed")
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
 
-def _key(plan: Plan) -> tuple[int, int]:
-    """What a timing belongs to: the blocks checkpointed and the bytes offloaded (a plan that checkpoints as many
-    blocks but offloads more after a correction is another plan)."""
-    return plan.checkpoint_blocks, plan.offload_bytes
+def _key(plan: Plan) -> tuple[int, bool, int]:
+    """What a timing belongs to: the blocks checkpointed (whole or by parts) and the bytes offloaded (a plan that
+    checkpoints as many blocks but offloads more after a correction is another plan)."""
+    return plan.checkpoint_blocks, plan.split, plan.offload_bytes

@@ -1,5 +1,12 @@
-"""The model's repeated blocks as the memory-budget planner sees them: which run checkpointed, and what a measuring
-step learns about them (bytes saved and compute time per block).
+"""The model's repeated blocks as the memory-budget planner sees them: which run checkpointed (whole, or by their
+parts), and what a measuring step learns about them (bytes saved and compute time per block).
+
+A block checkpointed whole saves only its input but rebuilds all of its activations at once in backward; at long
+sequences that rebuilt block is what limits the step (on an H200, a 24-layer small-vocab model under an 8 GiB cap:
+whole-block checkpointing trained 49152 tokens and no more, with its inputs offloaded 65536). Checkpointed by its
+parts (its children that hold weights: a decoder layer's attention, MLP and norms, each checkpointed on its own), a
+block saves the input of every part, about four times as much (the planner offloads it), and rebuilds one part at a
+time: the largest part's activations instead of the whole block's.
 
 Torch only: no Lightning import.
 """
@@ -27,17 +34,25 @@ class BlockSizes:
         block_bytes: eligible bytes a block run in full saves, on average.
         input_bytes: what a checkpointed block saves instead: measured where blocks ran checkpointed, else the size
             of a block's first input.
+        split: the checkpointed blocks ran by their parts (``input_bytes`` is then what such a block saves).
+        first_input_bytes: the size of a block's first input, on average (what a block checkpointed whole saves).
+        part_bytes: eligible bytes the largest part of a block run in full saved (0: not measured).
+        cut_bytes: what the checkpointed blocks saved in all (``input_bytes`` is its average, rounded down).
     """
 
     count: int
     checkpointed: int
     block_bytes: int
     input_bytes: int
+    split: bool = False
+    first_input_bytes: int = 0
+    part_bytes: int = 0
+    cut_bytes: int = 0
 
 
 class PlannedBlocks:
     """The repeated blocks of ``model`` (none without a model or such a list): checkpoints the last ones on demand,
-    and watches a measuring step's forward through them.
+    whole or by their parts, and watches a measuring step's forward through them.
 
     Args:
         model: whose blocks (``find_repeated_blocks``).
@@ -48,7 +63,11 @@ class PlannedBlocks:
     def __init__(self, model: nn.Module | None, clock: Any = None) -> None:
         self._model = model
         self.blocks = _blocks_of(model)
-        self.checkpointed: list[str] = []
+        self.parts = [_parts_of(name, block) for name, block in self.blocks]
+        self.checkpointed: list[str] = []  # the blocks checkpointed (whole, or by their parts where ``split``)
+        self.split = False
+        self._wrapped: list[str] = []  # the modules this object checkpointed: blocks, or their parts
+        self._part_marks: dict[int, tuple[int, int]] = {}  # the second block's parts: positions before and after
         self._clock = clock
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
         self._times: list[Any] = []  # timing marks: before the first block, after each block
@@ -59,27 +78,36 @@ class PlannedBlocks:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def checkpoint_last(self, count: int) -> None:
-        """Run the last ``count`` blocks checkpointed (and the others in full)."""
-        self._checkpoint([name for name, _ in self.blocks[len(self.blocks) - count :]] if count else [])
+    @property
+    def splittable(self) -> bool:
+        """Whether every block has at least two parts to checkpoint apart (a block of one part gains nothing)."""
+        return bool(self.parts) and all(len(parts) >= 2 for parts in self.parts)
 
-    def checkpoint_all_but_one(self) -> None:
+    def checkpoint_last(self, count: int, split: bool = False) -> None:
+        """Run the last ``count`` blocks checkpointed (and the others in full); ``split``: each by its parts."""
+        self._checkpoint([name for name, _ in self.blocks[len(self.blocks) - count :]] if count else [], split)
+
+    def checkpoint_all_but_one(self, split: bool = False) -> None:
         """Run every block checkpointed but one, a typical one: the second. The first block's input often needs no
         gradient (a frozen embedding under LoRA), so it saves less than the others (on an H200, Llama-8B LoRA's
         first block saved 0.12 GiB less than each later one: plans that took it for typical under-counted 24 kept
-        blocks by 2.8 GiB)."""
-        self._checkpoint([name for i, (name, _) in enumerate(self.blocks) if i != 1] if len(self.blocks) > 1 else [])
+        blocks by 2.8 GiB). ``split``: each by its parts."""
+        wanted = [name for i, (name, _) in enumerate(self.blocks) if i != 1] if len(self.blocks) > 1 else []
+        self._checkpoint(wanted, split)
 
-    def _checkpoint(self, wanted: list[str]) -> None:
+    def _checkpoint(self, wanted: list[str], split: bool) -> None:
         model = self._model
         if model is None or not self.blocks:
             return
-        if wanted == self.checkpointed:
+        split = split and self.splittable and bool(wanted)
+        if wanted == self.checkpointed and split == self.split:
             return
-        remove_checkpointing(model, [n for n in self.checkpointed if n not in wanted])
-        if wanted:
-            apply_checkpointing(model, wanted)
-        self.checkpointed = wanted
+        parts = dict(zip((name for name, _ in self.blocks), self.parts, strict=True))
+        modules = [part for name in wanted for part, _ in parts[name]] if split else wanted
+        remove_checkpointing(model, [n for n in self._wrapped if n not in modules])
+        if modules:
+            apply_checkpointing(model, modules)
+        self.checkpointed, self.split, self._wrapped = wanted, split, modules
 
     def remove(self) -> None:
         """Leave the model as it was: no checkpointing of ours, no hooks."""
@@ -87,9 +115,9 @@ class PlannedBlocks:
         handle, self._last_handle, self._after_last = self._last_handle, None, None
         if handle is not None:
             handle.remove()
-        if self._model is not None and self.checkpointed:
-            remove_checkpointing(self._model, self.checkpointed)
-        self.checkpointed = []
+        if self._model is not None and self._wrapped:
+            remove_checkpointing(self._model, self._wrapped)
+        self.checkpointed, self.split, self._wrapped = [], False, []
 
     def after_last_block(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` whenever the last block's forward returns, outside backward (a checkpointed block's
@@ -105,11 +133,13 @@ class PlannedBlocks:
         self._last_handle = self.blocks[-1][1].register_forward_hook(after)
 
     def watch(self, position: Callable[[], int]) -> None:
-        """Note, for the next forward, the saved-bytes ``position`` around every block (and time them)."""
+        """Note, for the next forward, the saved-bytes ``position`` around every block (and time them), and around the
+        parts of the second block."""
         self.unwatch()
-        marks, times, clock = self._marks, self._times, self._clock
+        marks, times, clock, part_marks = self._marks, self._times, self._clock, self._part_marks
         marks.clear()
         times.clear()
+        part_marks.clear()
 
         def before(module: nn.Module, args: Any) -> None:
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -129,6 +159,19 @@ class PlannedBlocks:
             self._handles.append(block.register_forward_pre_hook(before))
             self._handles.append(block.register_forward_hook(after))
 
+        def part_before(module: nn.Module, args: Any) -> None:
+            if not backward_running():
+                part_marks.setdefault(id(module), (position(), 0))
+
+        def part_after(module: nn.Module, args: Any, output: Any) -> None:
+            start, end = part_marks.get(id(module), (0, 0))
+            if end == 0 and not backward_running():
+                part_marks[id(module)] = (start, position())
+
+        for _, part in self.parts[1] if len(self.parts) > 1 else []:
+            self._handles.append(part.register_forward_pre_hook(part_before))
+            self._handles.append(part.register_forward_hook(part_after))
+
     def unwatch(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
@@ -144,9 +187,23 @@ class PlannedBlocks:
         cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
         block_bytes = sum(m[1] - m[0] for m in typical) // len(typical) if typical else 0
         input_bytes = sum(m[2] for m in typical) // len(typical) if typical else 0
+        first_input_bytes = input_bytes
         if cut_marks:
+            first_input_bytes = sum(m[2] for m in cut_marks) // len(cut_marks)
             input_bytes = sum(m[1] - m[0] for m in cut_marks) // len(cut_marks)
-        return BlockSizes(len(full) + len(cut_marks), len(cut_marks), block_bytes, input_bytes)
+        # The second block's parts, where it ran in full (a part called twice counts its first call).
+        second_ran_full = len(self.blocks) > 1 and self.blocks[1][0] not in cut
+        part_bytes = max((e - s for s, e in self._part_marks.values() if e > s), default=0) if second_ran_full else 0
+        return BlockSizes(
+            len(full) + len(cut_marks),
+            len(cut_marks),
+            block_bytes,
+            input_bytes,
+            split=self.split and bool(cut_marks),
+            first_input_bytes=first_input_bytes,
+            part_bytes=part_bytes,
+            cut_bytes=sum(m[1] - m[0] for m in cut_marks),
+        )
 
     def last_end(self) -> int:
         """The position where the watched forward's last block ended (0: no block ran, or none is watched)."""
@@ -158,6 +215,23 @@ class PlannedBlocks:
         if self._clock is None or len(times) < 2 or len(times) != len(self._times):
             return 0.0
         return self._clock.compute_ms_between(times[0], times[-1])
+
+
+def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A block's parts, by qualified name: its children that hold weights (what it computes with no weights of its
+    own, residual additions, activations between parts, saves through the planner's hooks as it would anyway).
+    Containers have no forward of their own and are not parts; nor are single linear or embedding layers, which save
+    only their input anyway (checkpointed, they would save the same and compute twice). A block whose parts hold less
+    than half its weights (its own forward does most of the work with plain linear layers) has none: checkpointed by
+    them, it would offload nearly all it saves."""
+    parts = [
+        (f"{name}.{child_name}", child)
+        for child_name, child in block.named_children()
+        if not isinstance(child, nn.ModuleList | nn.ModuleDict | nn.Linear | nn.Embedding)
+        and any(True for _ in child.parameters())
+    ]
+    in_parts = sum(p.numel() for _, part in parts for p in part.parameters())
+    return parts if 2 * in_parts >= sum(p.numel() for p in block.parameters()) else []
 
 
 def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:

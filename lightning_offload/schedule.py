@@ -160,6 +160,10 @@ class StepProfile:
         blocks: checkpointable blocks (the model's repeated layers; 0 when none were found).
         block_bytes: eligible bytes one block saves, on average.
         block_input_bytes: the bytes a checkpointed block saves instead (its input).
+        split_input_bytes: the bytes a block checkpointed by its parts saves instead (each part's input, and what it
+            computes outside its parts; 0: its blocks cannot be checkpointed by parts).
+        part_bytes: eligible bytes the largest part of a block saves in full: what a block checkpointed by its parts
+            rebuilds at a time in backward (0: not measured).
         block_share: the blocks' share of forward's compute time (0: not measured, taken as all of it); a block's
             recompute under checkpointing costs ``block_share * forward_ms / blocks``.
         backward_ms: compute time of backward (0: not measured, taken as twice forward's).
@@ -199,6 +203,8 @@ class StepProfile:
     blocks: int = 0
     block_bytes: int = 0
     block_input_bytes: int = 0
+    split_input_bytes: int = 0
+    part_bytes: int = 0
     block_share: float = 0.0
     backward_ms: float = 0.0
     tail: int = 0
@@ -221,6 +227,11 @@ class StepProfile:
         """Whether the step's peak is modelled in two parts (the head's backward, the blocks' backward apart)."""
         return self.head_bytes > 0 and self.head_peak > 0 and self.backward_base > 0
 
+    @property
+    def splittable(self) -> bool:
+        """Whether a plan may checkpoint the blocks by their parts (measured, and rebuilding less than a block)."""
+        return self.blocks > 0 and 0 < self.part_bytes < self.block_bytes and self.split_input_bytes > 0
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -230,6 +241,8 @@ class Plan:
         offload_bytes: the first this-many eligible bytes of each forward leave the device (0: the hooks are not
             even installed, so the step costs nothing).
         checkpoint_blocks: how many of the last blocks run under activation checkpointing.
+        split: those blocks are checkpointed by their parts (each part's input saved, one part rebuilt at a time), not
+            whole: the most frugal plans, for when a block rebuilt whole does not fit.
         peak: the predicted peak allocated bytes.
         extra_ms: the predicted step time over keeping everything (recompute plus copies that do not hide).
         fits: whether ``peak`` is within the budget.
@@ -246,12 +259,13 @@ class Plan:
     fits: bool
     inflight_cap: int | None = None
     prefetch_cap: int | None = None
+    split: bool = False
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)
         what = []
         if self.checkpoint_blocks:
-            what.append(f"checkpoint {self.checkpoint_blocks} block(s)")
+            what.append(f"checkpoint {self.checkpoint_blocks} block(s){' by their parts' if self.split else ''}")
         what.append(
             f"offload {self.offload_bytes / gib:.2f} GiB per forward" if self.offload_bytes else "offload nothing"
         )
@@ -405,41 +419,48 @@ def cheapest_plan(candidates: Sequence[Plan]) -> Plan:
 
 def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
-    fits): what :func:`plan_for_budget` chooses from, listed for diagnosis."""
-    fixed = profile.peak + profile.correction - profile.resident
-    # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak had taken for the block.
-    fixed_unrebuilt = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident
-    per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
-    candidates = []
-    for k in range(profile.blocks + 1):
-        eligible = _eligible(profile, k)
-        if profile.two_peaks:
-            phases = _phase_peaks(profile, k, eligible)
-            kept_peak = max(phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
-        else:
-            # Backward recomputes one checkpointed block at a time: its activations exist once more, briefly.
-            kept_peak = fixed + eligible + profile.block_bytes if k else fixed_unrebuilt + eligible
-        excess = kept_peak - budget
-        if excess <= 0:
-            candidates.append(Plan(0, k, kept_peak, k * per_block_ms, True))
-            continue
-        model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
-        movable = max(0, eligible - profile.tail)
-        # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
-        needed = [excess, excess + profile.prefetch_bytes]
-        if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead, past the head's room
-            peak_of = _two_peak_offloaded(profile, phases, model, eligible)
-            fetched = max(0, profile.prefetch_bytes - profile.head_bytes)
-            needed[1] = max(phases.forward, phases.head, phases.blocks + fetched) - budget
-        else:
-            peak_of = _one_peak_offloaded(kept_peak)
-        choice = model.cheapest(needed, movable, peak_of, budget)
-        if choice is None:
-            choice = model.most_frugal(movable)
-        peak = peak_of(choice)
-        cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
-        candidates.append(Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap))
+    fits), and last, where the blocks can be checkpointed by their parts, every block so: what
+    :func:`plan_for_budget` chooses from, listed for diagnosis."""
+    candidates = [_candidate(profile, budget, k) for k in range(profile.blocks + 1)]
+    if profile.splittable:
+        candidates.append(_candidate(profile, budget, profile.blocks, split=True))
     return candidates
+
+
+def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False) -> Plan:
+    """The cheapest plan under ``budget`` with the last ``k`` blocks checkpointed (``split``: by their parts), or the
+    most frugal where none fits."""
+    per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
+    eligible = _eligible(profile, k, split)
+    if profile.two_peaks:
+        phases = _phase_peaks(profile, k, eligible, split)
+        kept_peak = max(phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
+    elif k:
+        # Backward recomputes one checkpointed block (or part) at a time: its activations exist once more, briefly.
+        rebuilt = profile.part_bytes if split else profile.block_bytes
+        kept_peak = profile.peak + profile.correction - profile.resident + eligible + rebuilt
+    else:
+        # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak took for the block.
+        kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible
+    excess = kept_peak - budget
+    if excess <= 0:
+        return Plan(0, k, kept_peak, k * per_block_ms, True, split=split)
+    model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
+    movable = max(0, eligible - profile.tail)
+    # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
+    needed = [excess, excess + profile.prefetch_bytes]
+    if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead, past the head's room
+        peak_of = _two_peak_offloaded(profile, phases, model, eligible)
+        fetched = max(0, profile.prefetch_bytes - profile.head_bytes)
+        needed[1] = max(phases.forward, phases.head, phases.blocks + fetched) - budget
+    else:
+        peak_of = _one_peak_offloaded(kept_peak)
+    choice = model.cheapest(needed, movable, peak_of, budget)
+    if choice is None:
+        choice = model.most_frugal(movable)
+    peak = peak_of(choice)
+    cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
+    return Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap, split)
 
 
 # Plans worth timing cost at most this share of a step (forward's and backward's compute) more than the cheapest by
@@ -474,19 +495,20 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
         return [best]
     step_ms = profile.forward_ms + (profile.backward_ms or 2 * profile.forward_ms)
     within = [p for p in fitting if p.extra_ms <= best.extra_ms + TRIAL_BAND * step_ms]
-    chosen = {best.checkpoint_blocks: best}
+    chosen = {(best.checkpoint_blocks, best.split): best}
     keeping = [p for p in within if not p.offload_bytes]
     if keeping:
         plain = min(keeping, key=lambda p: (p.extra_ms, p.peak))
-        chosen.setdefault(plain.checkpoint_blocks, plain)
+        chosen.setdefault((plain.checkpoint_blocks, plain.split), plain)
         low, high = sorted((best.checkpoint_blocks, plain.checkpoint_blocks))
         if high - low >= TRIAL_SPREAD:
-            halfway = min(within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.extra_ms))
-            chosen.setdefault(halfway.checkpoint_blocks, halfway)
+            halfway = min(within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.split, p.extra_ms))
+            chosen.setdefault((halfway.checkpoint_blocks, halfway.split), halfway)
     else:
-        most = max(within, key=lambda p: p.checkpoint_blocks)
-        chosen.setdefault(most.checkpoint_blocks, most)
-    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks))
+        # The fewest copies: blocks checkpointed whole save less than by their parts.
+        most = max(within, key=lambda p: (p.checkpoint_blocks, not p.split))
+        chosen.setdefault((most.checkpoint_blocks, most.split), most)
+    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split))
 
 
 def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:
@@ -534,14 +556,15 @@ class PhasePeaks:
     blocks: int
 
 
-def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> PhasePeaks:
+def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int, split: bool = False) -> PhasePeaks:
     """The step's peaks before any offloading, with ``eligible`` bytes saved and ``checkpointed`` blocks:
 
     * forward's (every activation kept before the head, the loss's forward transient);
     * the head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt);
-    * the blocks' backward (the loss's transient gone, a block rebuilt when any is checkpointed; bytes fetched ahead
-      are added by the caller). The head's own saved bytes are counted here too: what backward frees of them is room
-      the engine fetches into.
+    * the blocks' backward (the loss's transient gone, a block rebuilt when any is checkpointed, or with ``split``
+      the largest part of one; bytes fetched ahead are added by the caller). The head's own saved bytes are counted
+      here too: what backward frees of them is room the engine fetches into. A measured rise (``rest_peak``) held a
+      block rebuilt whole, or is counted as if it had (:class:`~lightning_offload.budget.BudgetPlanner`).
 
     The measured step had the head's saved bytes on the device at its head's peak whether it kept them or offloaded
     them (the loss's backward needs them first: they come straight back), and made them at its forward's peak (the
@@ -555,19 +578,29 @@ def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int) -> Phas
     head = profile.head_peak - held + before_head
     rebuilt = int(REBUILD_SHARE * profile.block_bytes) if checkpointed else 0
     blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible
+    if split and checkpointed:
+        blocks -= split_relief(profile)
     return PhasePeaks(forward, head, blocks)
 
 
-def _eligible(profile: StepProfile, checkpointed: int) -> int:
-    """Eligible bytes one forward saves with the last ``checkpointed`` blocks checkpointed."""
-    return max(0, profile.eligible - checkpointed * max(0, profile.block_bytes - profile.block_input_bytes))
+def split_relief(profile: StepProfile) -> int:
+    """How much lower the blocks' backward peaks with the blocks checkpointed by their parts than whole: the largest
+    part is rebuilt at a time instead of the block."""
+    return int(REBUILD_SHARE * max(0, profile.block_bytes - profile.part_bytes)) if profile.part_bytes else 0
+
+
+def _eligible(profile: StepProfile, checkpointed: int, split: bool = False) -> int:
+    """Eligible bytes one forward saves with the last ``checkpointed`` blocks checkpointed (``split``: by parts)."""
+    saved = profile.split_input_bytes if split else profile.block_input_bytes
+    return max(0, profile.eligible - checkpointed * max(0, profile.block_bytes - saved))
 
 
 def offload_cost_ms(profile: StepProfile, plan: Plan) -> float:
     """What ``plan``'s offloading costs per step by the model of ``profile`` (its recompute not included)."""
     if not plan.offload_bytes:
         return 0.0
-    model = OffloadModel(profile, _eligible(profile, plan.checkpoint_blocks), released_at_head=profile.two_peaks)
+    eligible = _eligible(profile, plan.checkpoint_blocks, plan.split)
+    model = OffloadModel(profile, eligible, released_at_head=profile.two_peaks)
     if plan.inflight_cap is None:
         return model.unbounded(plan.offload_bytes).cost_ms
     return model.throttled(plan.offload_bytes, plan.inflight_cap, plan.prefetch_cap).cost_ms

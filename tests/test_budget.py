@@ -957,3 +957,96 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
         heavier.checkpoint_blocks * 2 * GiB + heavier.offload_bytes
         > plan.checkpoint_blocks * 2 * GiB + plan.offload_bytes
     )
+
+
+class Mix(nn.Module):
+    """A part of a block that saves more than its input (tanh's output, twice as wide), as attention and MLP do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class PartsBlock(nn.Module):
+    """Two parts with residual additions between them, as a decoder layer's attention and MLP; ``BLOCK_MS`` of
+    simulated compute."""
+
+    def __init__(self, sim: SimulatedStreams | None) -> None:
+        super().__init__()
+        self.first, self.second, self.sim = Mix(), Mix(), sim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sim is not None:
+            self.sim.advance(BLOCK_MS)
+        x = x + self.first(x)
+        return x + self.second(x)
+
+
+def parts_stack(sim: SimulatedStreams | None) -> Stack:
+    model = Stack(sim)
+    torch.manual_seed(1)
+    model.blocks = nn.ModuleList(PartsBlock(sim) for _ in range(BLOCKS))
+    return model
+
+
+def by_parts(*blocks: int) -> list[str]:
+    return [f"blocks.{i}.{part}" for i in blocks for part in ("first", "second")]
+
+
+def measuring_steps_by_parts(budget: int) -> tuple[list[list[str]], OffloadEngine]:
+    """Three steps of the parts model under ``budget`` (1 GiB of weights, no transient): the modules each ran
+    checkpointed; the gradients of every step equal the plain model's."""
+    x = torch.randn(BATCH, WIDTH)
+    reference = parts_stack(None)
+    reference(x).backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    sim = SimulatedStreams(lag=0)
+    model = parts_stack(sim)
+    engine = planned_engine(budget, FakeMemory(base=GiB, transient=0), model, sim)
+    seen = []
+    for _ in range(3):
+        step = run_steps(engine, model, x, 1)[0]
+        seen.append(checkpointed_modules(model))
+        assert_same_grads(step["grads"], expected)
+    return seen, engine
+
+
+def test_the_first_measuring_step_checkpoints_blocks_by_their_parts_and_measures_them() -> None:
+    """Under a user's budget the first measuring step checkpoints every block but the second by its parts (one part
+    rebuilt at a time, the most frugal step), and measures the second block and its parts in full. A block rebuilt
+    whole fits the budget, so the second measuring step checkpoints them whole, as most plans run. The profile holds
+    what each way saves: a part in full 3 rows (input, tanh's output), a block 6; whole-checkpointed 1 row (its input),
+    by parts 2 (each part's input)."""
+    seen, engine = measuring_steps_by_parts(3 * GiB)
+    assert seen[:2] == [by_parts(0, *range(2, BLOCKS)), EVERY_BLOCK]
+    profile = engine.planner.profile  # type: ignore[union-attr]
+    row = BATCH * WIDTH * 4
+    assert profile is not None and profile.blocks == BLOCKS and profile.splittable
+    assert (profile.block_bytes, profile.part_bytes, profile.block_input_bytes, profile.split_input_bytes) == (
+        6 * row,
+        3 * row,
+        row,
+        2 * row,
+    )
+
+
+def test_where_a_block_rebuilt_whole_would_pass_the_budget_the_second_measuring_step_also_goes_by_parts() -> None:
+    """The first measuring step peaked at the weights' 1 GiB; a block rebuilt whole adds 1.5 x its 3 rows beyond the
+    largest part, past what plans aim for (5% below a budget of 1 GiB + 200 KiB): the second step also checkpoints
+    by parts, and the profile measured that way still tells both ways apart."""
+    seen, engine = measuring_steps_by_parts(int((GiB + 200 * KiB) / 0.95) - 100 * KiB)
+    assert seen[:2] == [by_parts(0, *range(2, BLOCKS)), by_parts(*range(BLOCKS))]
+    profile = engine.planner.profile  # type: ignore[union-attr]
+    row = BATCH * WIDTH * 4
+    assert profile is not None and profile.splittable
+    assert (profile.block_bytes, profile.part_bytes, profile.block_input_bytes, profile.split_input_bytes) == (
+        6 * row,
+        3 * row,
+        row,
+        2 * row,
+    )
+    assert profile.eligible == BLOCKS * 6 * row + row  # extrapolated to no checkpointing; the loss saves a row

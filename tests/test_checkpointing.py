@@ -353,3 +353,27 @@ def test_hf_llama_layers_with_kwargs() -> None:
     for name, grad in reference.items():
         assert torch.equal(grad, model.get_parameter(name).grad), name
     assert engine.stats.offloaded_bytes > 0
+
+
+def test_an_activation_passed_by_keyword_is_saved_where_the_offload_engine_sees_it() -> None:
+    """Hugging Face calls a decoder layer's attention with ``hidden_states=...``: checkpointed, that activation is saved
+    as an input (an enclosing engine offloads it) rather than held by reference on the device; a keyword tensor that
+    needs no gradient (the mask) stays by reference. Gradients are the plain ones."""
+    torch.manual_seed(0)
+    plain, wrapped = Block(), Block()
+    wrapped.load_state_dict(plain.state_dict())
+    plain.drop.p = wrapped.drop.p = 0.0
+    x = torch.randn(2, 6, HIDDEN)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    (plain(x=x * 2, mask=mask) ** 2).sum().backward()
+    apply_checkpointing(wrapped, Block)
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    leaf = x.clone().requires_grad_()
+    with engine:
+        h = leaf * 2  # an activation, as a previous layer's output (a product by a number saves nothing)
+        out = wrapped(x=h, mask=mask)
+    (out**2).sum().backward()
+    assert engine.stats.eligible_bytes == h.numel() * h.element_size()  # the input alone, not the mask
+    for name, param in wrapped.named_parameters():
+        assert torch.equal(param.grad, dict(plain.named_parameters())[name].grad), name
+    remove_checkpointing(wrapped)

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_offload import offload_activations
 from lightning_offload.host_pool import pool_for
+from lightning_offload.schedule import plan_candidates
 from tests.models import assert_inplace_error_or_exact_grad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -291,6 +292,85 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     assert engine.planner is not None and engine.planner.plan is not None and engine.planner.plan.fits
     assert not engine.planner.trying
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class PartsBlock(nn.Module):
+    """A decoder layer as Hugging Face writes them: attention, MLP and norms as modules of their own."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads)
+        self.norm2, self.mlp = nn.LayerNorm(hidden), Mlp(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() -> None:
+    """A small vocabulary and long rows: the blocks' backward, with a block rebuilt whole, is the step's peak. Under a
+    budget below the most frugal whole-block plan (every block checkpointed, every input offloaded), the planner
+    checkpoints the blocks by their parts: under a hard cap at the budget every step trains, within it, with the
+    plain gradients."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=8, vocab=256).cuda()
+    model.blocks = nn.ModuleList(PartsBlock(1024, 8) for _ in range(8)).cuda()
+    tokens = torch.randint(0, 256, (8, 1024), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    # The model's numbers, measured under a loose budget: the most frugal plan of each way.
+    probe = offload_activations(model=model, memory_budget=plain_peak)
+    for _ in range(2):
+        _step_peak(model, tokens, probe)
+    profile = probe.planner.profile  # type: ignore[union-attr]
+    probe.close()
+    assert profile is not None and profile.splittable, profile
+    frugal = plan_candidates(profile, 1)
+    whole, by_parts = frugal[profile.blocks], frugal[-1]
+    assert by_parts.split and by_parts.peak < whole.peak - (256 << 20), (whole, by_parts)
+    budget = int(by_parts.peak / 0.85)
+    assert budget < whole.peak, (whole, by_parts)
+    total = torch.cuda.get_device_properties(0).total_memory
+    engine = offload_activations(model=model, memory_budget=budget)
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    try:
+        peaks = []
+        for _ in range(2 + 4):
+            peak, grads = _step_peak(model, tokens, engine)
+            peaks.append(peak)
+            for ref, got in zip(reference, grads, strict=True):
+                assert torch.equal(ref, got)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        engine.close()
+    plan = engine.planner.plan  # type: ignore[union-attr]
+    assert plan is not None and plan.split and plan.fits, plan
+    assert max(peaks) <= budget, (peaks, budget, plan)
 
 
 def test_default_budget_costs_nothing_where_the_model_fits() -> None:

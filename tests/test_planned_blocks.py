@@ -121,3 +121,99 @@ def test_after_last_block_fires_once_per_forward_never_in_a_recompute() -> None:
     blocks.remove()
     model(x).backward()
     assert len(calls) == 2 and not model.blocks[-1]._forward_hooks
+
+
+class Mix(nn.Module):
+    """A part that saves more than its input: a hidden layer four times as wide, and tanh's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class PartsBlock(nn.Module):
+    """Two parts (as a decoder layer's attention and MLP) with residual additions between them, and a scale of its
+    own (not a part: a parameter, not a module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Mix()
+        self.second = Mix()
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.first(x)
+        return x + self.second(x) * self.scale
+
+
+class PartsStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(PartsBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_blocks_checkpointed_by_their_parts_wrap_each_part_and_come_off_again() -> None:
+    model = PartsStack()
+    blocks = PlannedBlocks(model)
+    assert blocks.splittable
+    blocks.checkpoint_last(2, split=True)
+    assert checkpointed_modules(model) == ["blocks.2.first", "blocks.2.second", "blocks.3.first", "blocks.3.second"]
+    assert blocks.checkpointed == ["blocks.2", "blocks.3"] and blocks.split
+    blocks.checkpoint_last(2)  # the same blocks, whole
+    assert checkpointed_modules(model) == ["blocks.2", "blocks.3"] and not blocks.split
+    blocks.checkpoint_all_but_one(split=True)
+    assert checkpointed_modules(model) == [f"blocks.{i}.{p}" for i in (0, 2, 3) for p in ("first", "second")]
+    blocks.remove()
+    assert checkpointed_modules(model) == [] and blocks.checkpointed == [] and not blocks.split
+
+
+def test_blocks_without_parts_worth_checkpointing_are_checkpointed_whole() -> None:
+    """Plain linear layers save only their input: a block made of them (``Block``) has no parts, and asking for parts
+    checkpoints it whole."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    assert not blocks.splittable
+    blocks.checkpoint_last(2, split=True)
+    assert checkpointed_modules(model) == ["blocks.2", "blocks.3"] and not blocks.split
+    blocks.remove()
+
+
+def test_sizes_measure_the_parts_of_the_block_run_in_full_and_what_blocks_by_parts_save() -> None:
+    """The second block in full: each part saves its input and tanh's output (1 + 4 widths; ``down`` saves that same
+    output), the block's own product saves ``second``'s output (1 width; the scale is a weight). The others by parts
+    save each part's input and that output (3 widths); their gradients equal the plain model's."""
+    reference = PartsStack()
+    x = torch.randn(BATCH, WIDTH)
+    reference(x).backward()
+    model = PartsStack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_all_but_one(split=True)
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    blocks.watch(lambda: engine.collect_stats(wait=False).eligible_bytes)
+    with engine:
+        loss = model(x)
+    loss.backward()
+    blocks.unwatch()
+    row = BATCH * WIDTH * 4
+    sizes = blocks.sizes()
+    assert (sizes.count, sizes.checkpointed, sizes.split) == (4, 3, True)
+    assert (sizes.block_bytes, sizes.part_bytes, sizes.input_bytes, sizes.first_input_bytes) == (
+        11 * row,
+        5 * row,
+        3 * row,
+        row,
+    )
+    assert sizes.cut_bytes == 3 * sizes.input_bytes
+    for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(expected.grad, got.grad), name
+    blocks.remove()

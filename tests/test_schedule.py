@@ -99,9 +99,11 @@ from lightning_offload.schedule import (  # noqa: E402
     Plan,
     StepProfile,
     _eligible,
+    _phase_peaks,
     frugal_cap,
     plan_candidates,
     plan_for_budget,
+    split_relief,
     trial_plans,
 )
 
@@ -380,3 +382,56 @@ def test_trial_plans_compare_nothing_where_keeping_everything_fits_or_nothing_fi
     keep = _plan(0, 0.0, 0.0)
     assert trial_plans(profile, [keep, _plan(1, 0.0, 10.0)]) == [keep]
     assert trial_plans(profile, [_plan(0, 1.0, 5.0, fits=False), _plan(4, 0.5, 40.0, fits=False)]) == []
+
+
+def _small_vocab(**changes: float) -> StepProfile:
+    """A long-context step whose blocks' backward is the peak (no loss transient to speak of): 2 GiB of weights and
+    state, 10 blocks of 1 GiB, each whole-checkpointed saving 64 MiB; by its parts (attention, MLP, norms) a block
+    saves 256 MiB and rebuilds at most its 0.6 GiB MLP."""
+    flat = dict(head_bytes=16 * MiB, head_peak=12 * GiB, backward_base=12 * GiB - 16 * MiB)
+    values: dict = dict(peak=12 * GiB, split_input_bytes=256 * MiB, part_bytes=int(0.6 * GiB), **flat)
+    values.update(changes)
+    return profile(**values)
+
+
+def test_checkpointing_by_parts_is_the_last_candidate_and_rebuilds_one_part_at_a_time() -> None:
+    """Whole-block plans rebuild 1.5 GiB (a block and half again for its gradients); by parts, 0.9 GiB (the largest
+    part), and each block saves its parts' inputs (more to offload)."""
+    p = _small_vocab()
+    candidates = plan_candidates(p, 100 * GiB)
+    assert len(candidates) == 12 and not any(c.split for c in candidates[:11])
+    whole, parts = candidates[10], candidates[11]
+    assert (parts.checkpoint_blocks, parts.split, whole.split) == (10, True, False)
+    # Kept everything (a generous budget), the blocks' backward is the peak: by parts, each block saves 192 MiB more,
+    # and the block rebuilt is 0.4 GiB smaller (half again for its gradients).
+    assert _eligible(p, 10, split=True) - _eligible(p, 10) == 10 * 192 * MiB
+    assert split_relief(p) == pytest.approx(1.5 * 0.4 * GiB, abs=1)
+    assert parts.peak - whole.peak == 10 * 192 * MiB - split_relief(p)
+    eligible = _eligible(p, 10)
+    assert _phase_peaks(p, 10, eligible).blocks - _phase_peaks(p, 10, eligible, split=True).blocks == split_relief(p)
+    assert "by their parts" in parts.describe(100 * GiB)
+    assert len(plan_candidates(_small_vocab(part_bytes=0), 100 * GiB)) == 11  # not measured: no such plan
+    assert len(plan_candidates(_small_vocab(split_input_bytes=0), 100 * GiB)) == 11
+
+
+def test_a_budget_only_checkpointing_by_parts_meets_chooses_it() -> None:
+    """Every block checkpointed whole and every input offloaded still rebuilds a whole block over the budget: the plan
+    checkpoints by parts and offloads their inputs. Where a whole-block plan fits, it is cheaper (fewer copies)."""
+    p = _small_vocab()
+    whole_floor = plan_candidates(p, 100 * GiB)[10]
+    budget = whole_floor.peak - 10 * 64 * MiB  # below even offloading every whole-block input
+    plan = plan_for_budget(p, budget)
+    assert plan.split and plan.fits and plan.checkpoint_blocks == 10 and plan.peak <= budget
+    assert plan.offload_bytes >= 10 * 256 * MiB - p.tail - 512 * MiB
+    loose = plan_for_budget(p, whole_floor.peak + GiB)
+    assert loose.fits and not loose.split
+
+
+def test_trial_plans_prefer_whole_blocks_to_parts_for_the_fewest_copies() -> None:
+    profile = _trial_profile()
+    parts = replace(_plan(6, 1.0, 60.0), split=True)
+    candidates = [_plan(0, 4.0, 5.0), _plan(4, 1.0, 40.0), _plan(6, 0.5, 50.0), parts]
+    chosen = trial_plans(profile, candidates)
+    assert [(p.checkpoint_blocks, p.split) for p in chosen] == [(0, False), (6, False)]
+    only_parts = trial_plans(profile, [_plan(6, 0.5, 50.0, fits=False), parts])
+    assert only_parts == [parts]
