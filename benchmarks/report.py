@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.workloads import BUDGET_MODES
+from benchmarks.workloads import ABSOLUTE_BUDGET_MODES, BUDGET_MODES
 
 GiB = 1 << 30
 
@@ -281,11 +281,12 @@ def _p4(name: str, rows: dict[str, dict[str, Any]]) -> list[tuple[bool, str]]:
 
 
 def _is_planner_row(row: dict[str, Any]) -> bool:
-    return row["mode"] in BUDGET_MODES or row["mode"] == DEFAULT_MODE
+    return row["mode"] in BUDGET_MODES or row["mode"] in ABSOLUTE_BUDGET_MODES or row["mode"] == DEFAULT_MODE
 
 
 def _budget_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [row for row in result.get("rows", []) if row["mode"] in BUDGET_MODES]
+    budgets = (*BUDGET_MODES, *ABSOLUTE_BUDGET_MODES)
+    return [row for row in result.get("rows", []) if row["mode"] in budgets]
 
 
 def _ran(row: dict[str, Any]) -> bool:

@@ -88,6 +88,8 @@ def budget_bytes(mode: Mode, rows: dict[str, dict[str, Any]]) -> tuple[float | N
         if both.get("status") != "ok" or both.get("peak_alloc_gib") is None:
             return None, "no peak of `ac+offload` to set the floor"
         return FLOOR_HEADROOM * both["peak_alloc_gib"] * GiB, ""
+    if isinstance(mode.budget, str) and mode.budget.endswith("gib"):
+        return float(mode.budget[: -len("gib")]) * GiB, ""
     return None, f"budget {mode.budget!r} is for capacity runs"
 
 

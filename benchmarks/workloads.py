@@ -70,8 +70,8 @@ class Mode:
         needs_cuda: skipped on a machine without CUDA.
         default: ``offload_activations()`` with no arguments at all (the row that says what a user gets).
         budget: ``offload_activations(memory_budget=B)`` under a hard cap of B bytes: a fraction of `none`'s peak
-            (``0.9``), ``"floor"`` (the least peak of our hand-tuned rows that checkpoint and offload, plus 10%)
-            or ``"cap"`` (the capacity run's cap). ``None``: no budget.
+            (``0.9``), ``"floor"`` (the least peak of our hand-tuned rows that checkpoint and offload, plus 10%),
+            GiB as a string (``"8gib"``) or ``"cap"`` (the capacity run's cap). ``None``: no budget.
     """
 
     name: str
@@ -111,6 +111,8 @@ def _modes() -> dict[str, Mode]:
     for fraction in BUDGET_FRACTIONS:
         modes.append(Mode(f"ours-budget-{fraction}x", "ours", engine={}, budget=fraction, needs_cuda=True))
     modes.append(Mode("ours-budget-floor", "ours", engine={}, budget="floor", needs_cuda=True))
+    for gib in ABSOLUTE_BUDGETS_GIB:
+        modes.append(Mode(f"ours-budget-{gib}gib", "ours", engine={}, budget=f"{gib}gib", needs_cuda=True))
     modes.append(Mode("ours-budget", "ours", engine={}, budget="cap"))  # capacity runs only
     return {m.name: m for m in modes}
 
@@ -118,6 +120,9 @@ def _modes() -> dict[str, Mode]:
 # Budgets of the `ours-budget-<f>x` rows, as fractions of `none`'s peak allocated memory.
 BUDGET_FRACTIONS = (0.9, 0.7, 0.5)
 BUDGET_MODES = (*(f"ours-budget-{f}x" for f in BUDGET_FRACTIONS), "ours-budget-floor")
+# Budgets in GiB, for a workload measured at a capacity run's cap (`ours-budget-8gib`), where it has such a row.
+ABSOLUTE_BUDGETS_GIB = (8,)
+ABSOLUTE_BUDGET_MODES = tuple(f"ours-budget-{g}gib" for g in ABSOLUTE_BUDGETS_GIB)
 # The floor budget: the least peak among our rows that checkpoint and offload, with this much room.
 FLOOR_HEADROOM = 1.10
 
@@ -200,6 +205,22 @@ WORKLOADS: dict[str, Workload] = {
                 "save_on_cpu",
                 "torchtune",
             ),
+        ),
+        # The small-vocab capacity model at a length AC trains under 8 GiB (49152 tokens on an H200): our step time
+        # there under the same cap, against AC's (B3's "at <= 1.10x AC's step time where both fit").
+        Workload(
+            "smallvocab-s48k",
+            hidden=1024,
+            layers=24,
+            intermediate=4096,
+            heads=16,
+            kv_heads=4,
+            vocab=256,
+            tied=False,
+            batch=1,
+            seq=49152,
+            lora=False,
+            modes=(*_BASELINES, "ac+offload", *_PLANNER, *ABSOLUTE_BUDGET_MODES),
         ),
         # P4, "do no harm": a model too small for offloading to pay off must not get slower or bigger.
         Workload(

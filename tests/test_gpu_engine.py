@@ -339,7 +339,7 @@ def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() ->
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=8, vocab=256).cuda()
     model.blocks = nn.ModuleList(PartsBlock(1024, 8) for _ in range(8)).cuda()
-    tokens = torch.randint(0, 256, (8, 1024), device="cuda")
+    tokens = torch.randint(0, 256, (16, 1024), device="cuda")
     _grads(model, tokens, None, True)
     plain_peak, reference = _step_peak(model, tokens, None)
     # The model's numbers, measured under a loose budget: the most frugal plan of each way.
@@ -351,9 +351,9 @@ def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() ->
     assert profile is not None and profile.splittable, profile
     frugal = plan_candidates(profile, 1)
     whole, by_parts = frugal[profile.blocks], frugal[-1]
-    assert by_parts.split and by_parts.peak < whole.peak - (256 << 20), (whole, by_parts)
-    budget = int(by_parts.peak / 0.85)
-    assert budget < whole.peak, (whole, by_parts)
+    # A block rebuilds its attention and MLP at once (0.66 GiB more than its MLP alone, with gradients, on an H200).
+    assert by_parts.split and by_parts.peak < whole.peak - (384 << 20), (whole, by_parts)
+    budget = by_parts.peak + 3 * (whole.peak - by_parts.peak) // 4
     total = torch.cuda.get_device_properties(0).total_memory
     engine = offload_activations(model=model, memory_budget=budget)
     torch.cuda.empty_cache()

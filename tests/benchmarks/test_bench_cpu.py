@@ -182,6 +182,7 @@ def test_budget_rows_take_their_budget_from_earlier_rows() -> None:
     )
     assert budget_bytes(MODES["ours-budget-floor"], {"none": rows["none"]})[0] is None
     assert {MODES[m].budget for m in BUDGET_MODES} == {0.9, 0.7, 0.5, "floor"}
+    assert budget_bytes(MODES["ours-budget-8gib"], {}) == (8 * GiB, "")  # absolute: needs no earlier row
     assert engine_kwargs(MODES["ours-default"], tiny_run=True) == {}  # --tiny scaling leaves the default alone
 
 
