@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 import pytest
@@ -13,10 +15,12 @@ from torch import nn
 from lightning_offload import offload_activations
 from lightning_offload.host_pool import pool_for
 from lightning_offload.schedule import plan_candidates
+from tests import processes
 from tests.models import assert_inplace_error_or_exact_grad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+GiB = 1 << 30
 EVERYTHING = {"min_tensor_bytes": 0, "resident_tail_bytes": 0, "memory_budget": None}
 # Bit-for-bit comparisons need deterministic kernels: embedding backward and fused attention backward use atomics.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -331,11 +335,11 @@ class PartsBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() -> None:
+def train_by_parts_under_a_cap() -> dict[str, object]:
     """A small vocabulary and long rows: the blocks' backward, with a block rebuilt whole, is the step's peak. Under a
     budget below the most frugal whole-block plan (every block checkpointed, every input offloaded), the planner
-    checkpoints the blocks by their parts: under a hard cap at the budget every step trains, within it, with the
-    plain gradients."""
+    checkpoints the blocks by their parts. Trains six steps under a hard cap at that budget; returns what the test
+    checks (its test runs it in a process of its own, ``tests.gpu.by_parts_under_cap``)."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=8, vocab=256).cuda()
     model.blocks = nn.ModuleList(PartsBlock(1024, 8) for _ in range(8)).cuda()
@@ -351,26 +355,46 @@ def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() ->
     assert profile is not None and profile.splittable, profile
     frugal = plan_candidates(profile, 1)
     whole, by_parts = frugal[profile.blocks], frugal[-1]
-    # A block rebuilds its attention and MLP at once (0.66 GiB more than its MLP alone, with gradients, on an H200).
-    assert by_parts.split and by_parts.peak < whole.peak - (384 << 20), (whole, by_parts)
     budget = by_parts.peak + 3 * (whole.peak - by_parts.peak) // 4
     total = torch.cuda.get_device_properties(0).total_memory
     engine = offload_activations(model=model, memory_budget=budget)
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(budget / total)
+    peaks, equal = [], True
     try:
-        peaks = []
         for _ in range(2 + 4):
             peak, grads = _step_peak(model, tokens, engine)
             peaks.append(peak)
-            for ref, got in zip(reference, grads, strict=True):
-                assert torch.equal(ref, got)
+            equal = equal and all(torch.equal(ref, got) for ref, got in zip(reference, grads, strict=True))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         engine.close()
     plan = engine.planner.plan  # type: ignore[union-attr]
-    assert plan is not None and plan.split and plan.fits, plan
-    assert max(peaks) <= budget, (peaks, budget, plan)
+    assert plan is not None
+    return {
+        "whole_gib": whole.peak / GiB,
+        "by_parts_gib": by_parts.peak / GiB,
+        "budget_gib": budget / GiB,
+        "peaks_gib": [p / GiB for p in peaks],
+        "split": plan.split,
+        "fits": plan.fits,
+        "grads_equal": equal,
+    }
+
+
+def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() -> None:
+    """Below the most frugal whole-block plan, the blocks checkpointed by their parts train under a hard cap at the
+    budget, within it, with the plain gradients. In a process of its own, as a training run is: in this one, segments
+    that earlier tests left partly used (2.1 GiB on an H200) could not be released under the cap."""
+    proc = processes.start([sys.executable, "-m", "tests.gpu.by_parts_under_cap"], dict(os.environ))
+    out, in_time = processes.finish(proc, timeout=300)
+    assert in_time and proc.returncode == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    # Whole, a block rebuilds its attention and MLP at once: on an H200 the two frugal plans were 0.33 GB apart at
+    # 8 rows of 1024 tokens, 0.6 GiB at 16.
+    assert result["by_parts_gib"] < result["whole_gib"] - 0.375, result
+    assert result["split"] and result["fits"] and result["grads_equal"], result
+    assert max(result["peaks_gib"]) <= result["budget_gib"], result
 
 
 def test_default_budget_costs_nothing_where_the_model_fits() -> None:
