@@ -748,6 +748,7 @@ def test_plan_keys_are_logged_only_for_batches_that_ran_the_plan(
     assert [row["offload/plan_checkpoint_blocks"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]
     # A plan that keeps everything is not timed against others.
     assert [row["offload/plan_trial"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]
+    assert [row["offload/plan_split"] for row in rows] == ["nan", "nan", "0.0", "nan", "0.0"]  # blocks whole, if any
     assert {row["offload/memory_budget_gib"] for row in rows} == {"8.0"}
 
 

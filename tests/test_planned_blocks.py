@@ -3,6 +3,7 @@ saved per block."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -217,3 +218,51 @@ def test_sizes_measure_the_parts_of_the_block_run_in_full_and_what_blocks_by_par
     for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(expected.grad, got.grad), name
     blocks.remove()
+
+
+def test_a_hugging_face_decoder_layer_checkpointed_by_its_parts_saves_each_parts_input() -> None:
+    """A random-init Hugging Face Llama: its decoder layers' parts are the attention, the MLP and both norms; by parts
+    a block saves each part's input (four hidden-wide tensors per token, the attention's given by keyword), less than
+    the block in full and more than whole-checkpointed, the largest part in full less than the block; gradients
+    are the plain model's either way."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    blocks = PlannedBlocks(model)
+    assert [name.rsplit(".", 1)[1] for name, _ in blocks.parts[1]] == [
+        "self_attn",
+        "mlp",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
+    per_token = {}
+    for split in (False, True):
+        model.zero_grad(set_to_none=True)
+        blocks.checkpoint_all_but_one(split=split)
+        engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+        blocks.watch(lambda engine=engine: engine.collect_stats(wait=False).eligible_bytes)
+        with engine:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        blocks.unwatch()
+        per_token[split] = blocks.sizes()
+        for name, p in model.named_parameters():
+            assert torch.equal(p.grad, expected[name]), name
+    blocks.remove()
+    width = 64 * 4 * 32  # one hidden-wide fp32 tensor of the 32 tokens
+    whole, parts = per_token[False], per_token[True]
+    assert (whole.input_bytes, parts.input_bytes, parts.first_input_bytes) == (width, 4 * width, width)
+    assert parts.split and not whole.split
+    assert parts.input_bytes < parts.part_bytes < parts.block_bytes
