@@ -157,8 +157,10 @@ class BudgetPlanner:
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
         self._full_block: BlockSizes | None = None  # a measuring step's blocks, one run in full, since the last replan
         self._reserved_gap = 0  # what the latest measuring step's allocator reserved past its peak allocated
-        # The latest measuring step's base, peak, and peak as its backward ended (see _measure_by_parts).
-        self._measured_peaks = (0, 0, 0)
+        self._frugal = False  # the current measuring step offloads from its first saved tensor
+        # The latest measuring step's base, peak, peak as its backward ended (see _measure_by_parts), and whether it
+        # offloaded from its first saved tensor (see _warn_frugal_step).
+        self._measured_peaks: tuple[int, int, int, bool] = (0, 0, 0, False)
         self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
 
     @property
@@ -282,6 +284,9 @@ class BudgetPlanner:
         else:
             self._blocks.checkpoint_last(0)
         self._base = self.memory.allocated()
+        self._frugal = self.tripped
+        if self.tripped and self._full_block is not None:
+            self._warn_frugal_step()
         if self._base >= self.budget and self.profile is None:
             _log.warning(
                 "memory_budget=%.2f GiB: %.2f GiB are allocated before the step begins (weights, gradients, optimizer "
@@ -322,7 +327,7 @@ class BudgetPlanner:
             self.watermark = None
             self._blocks.unwatch()
             self._reserved_gap = max(0, self._counter("reserved_peak") - peak)
-            self._measured_peaks = (self._base, peak, self._backward_end_peak)
+            self._measured_peaks = (self._base, peak, self._backward_end_peak, self._frugal)
             self.profile = self._measured_profile(
                 peak, eligible, offloaded, forward_ms, backward_ms, link_bytes_per_ms, extra
             )
@@ -367,6 +372,31 @@ class BudgetPlanner:
             if changed:
                 self._choose()
 
+    def _warn_frugal_step(self) -> None:
+        """Say so before a frugal measuring step that follows another is expected to pass the budget: it is as frugal
+        as any plan, and it holds what the one before it held plus the optimizer's state allocated since (on an H200,
+        small-h512's second measuring step ran out of memory under a 2.02 GiB cap at the loss's 500 MiB gradient)."""
+        base, peak, backward_end_peak, frugal = self._measured_peaks
+        grown = max(0, self._base - base)
+        # Up to the end of its backward the step held no optimizer state; its peak after (the optimizer's step) did.
+        expected = max(peak, (backward_end_peak or peak) + grown)
+        if not (frugal and peak) or expected <= self.budget:
+            return
+        _log.warning(
+            "memory_budget=%.2f GiB: the next step, measuring and as frugal as any plan, should need about %.2f GiB: "
+            "the one before it peaked at %.2f GiB by the end of its backward, and %.2f GiB more are allocated now "
+            "(the optimizer's state). Weights, gradients and optimizer state take %.2f GiB; the step's other "
+            "transients (the loss and logits among them; every activation leaves) %.2f GiB. If this is a hard limit, "
+            "the model does not train at this input size within it: a shorter sequence or a smaller batch, or a "
+            "budget above that",
+            self.budget / GiB,
+            expected / GiB,
+            (backward_end_peak or peak) / GiB,
+            grown / GiB,
+            self._base / GiB,
+            (expected - self._base) / GiB,
+        )
+
     def _measure_by_parts(self) -> bool:
         """Whether the second measuring step checkpoints the blocks by their parts, as the first did: where, by the
         first step's numbers, a block rebuilt whole would take the second past what plans aim for. Where it fits, the
@@ -375,11 +405,12 @@ class BudgetPlanner:
 
         The estimate errs on memory: the block's larger rebuild (``REBUILD_SHARE`` of what the block saves beyond its
         largest part) goes on top of backward's peak (the loss's, where the blocks' own was lower), and the optimizer's
-        state allocated since the first step's start goes on top of all."""
+        state allocated since the first step began goes on top of all (even where the first step's peak was the
+        optimizer's step, which held it already)."""
         first = self._full_block
         if first is None or not first.split or not 0 < first.part_bytes < first.block_bytes:
             return False
-        base, peak, backward_end_peak = self._measured_peaks
+        base, peak, backward_end_peak, _ = self._measured_peaks
         rebuilt_more = int(REBUILD_SHARE * (first.block_bytes - first.part_bytes))
         whole = max(peak, (backward_end_peak or peak) + rebuilt_more) + max(0, self.memory.allocated() - base)
         return whole > self.plan_budget

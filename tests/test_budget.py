@@ -1050,3 +1050,28 @@ def test_where_a_block_rebuilt_whole_would_pass_the_budget_the_second_measuring_
         2 * row,
     )
     assert profile.eligible == BLOCKS * 6 * row + row  # extrapolated to no checkpointing; the loss saves a row
+
+
+def test_a_frugal_measuring_step_expected_to_pass_the_budget_is_announced_with_the_numbers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first measuring step peaked at 1.5 GiB (1 GiB of weights, 0.5 GiB of the loss's transient) under a 1.6 GiB
+    budget; the optimizer then allocated 0.25 GiB of state: the second, as frugal as any plan, should need 1.75 GiB,
+    and the planner says so before it runs, naming what dominates. Without the optimizer's state nothing is said."""
+    x = torch.randn(BATCH, WIDTH)
+    for state, warned in ((GiB // 4, True), (0, False)):
+        sim = SimulatedStreams(lag=0)
+        model = Stack(sim)
+        memory = FakeMemory(base=GiB, transient=GiB // 2)
+        engine = planned_engine(GiB + 600 * MiB, memory, model, sim)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightning_offload"):
+            run_steps(engine, model, x, 1)
+            memory.base += state  # the optimizer's state, allocated at the first step
+            assert "should need" not in caplog.text
+            run_steps(engine, model, x, 1)
+        assert ("should need about 1.75 GiB" in caplog.text) == warned, caplog.text
+        if warned:
+            assert "the one before it peaked at 1.50 GiB by the end of its backward, and 0.25 GiB more" in caplog.text
+            assert "Weights, gradients and optimizer state take 1.25 GiB" in caplog.text
+            assert "other transients (the loss and logits among them; every activation leaves) 0.50 GiB" in caplog.text
