@@ -266,3 +266,46 @@ def test_a_hugging_face_decoder_layer_checkpointed_by_its_parts_saves_each_parts
     assert (whole.input_bytes, parts.input_bytes, parts.first_input_bytes) == (width, 4 * width, width)
     assert parts.split and not whole.split
     assert parts.input_bytes < parts.part_bytes < parts.block_bytes
+
+
+def test_a_lora_decoder_layer_by_its_parts_offloads_and_keeps_the_plain_gradients() -> None:
+    """LoRA adapters on every linear layer of a random-init Hugging Face Llama (frozen base, the first block's input
+    needing no gradient): blocks by their parts, every saved tensor offloaded, give the adapters' plain gradients."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # adapters that change the output, so every gradient is non-zero
+    ids = torch.randint(0, 128, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    blocks = PlannedBlocks(model)
+    assert blocks.splittable
+    model.zero_grad(set_to_none=True)
+    blocks.checkpoint_all_but_one(split=True)
+    engine = offload_activations(
+        mode="sync", memory_budget=None, compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0
+    )
+    with engine:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert engine.stats.offloaded_bytes > 0
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+    blocks.remove()
