@@ -141,8 +141,8 @@ class PlannedBlocks:
         times.clear()
         part_marks.clear()
 
-        def before(module: nn.Module, args: Any) -> None:
-            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            first = _first_input(args, kwargs)
             nbytes = first.numel() * first.element_size() if first is not None else 0
             if clock is not None and not marks:
                 times.append(clock.mark())
@@ -156,7 +156,7 @@ class PlannedBlocks:
                     times.append(clock.mark())
 
         for _, block in self.blocks:
-            self._handles.append(block.register_forward_pre_hook(before))
+            self._handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(block.register_forward_hook(after))
 
         def part_before(module: nn.Module, args: Any) -> None:
@@ -215,6 +215,14 @@ class PlannedBlocks:
         if self._clock is None or len(times) < 2 or len(times) != len(self._times):
             return 0.0
         return self._clock.compute_ms_between(times[0], times[-1])
+
+
+def _first_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A block's input: its first positional argument, or, called with keywords only (``hidden_states=...``), the
+    first keyword tensor that needs a gradient (an activation, not a mask or a rotary table)."""
+    if args:
+        return args[0] if isinstance(args[0], torch.Tensor) else None
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -309,3 +309,29 @@ def test_a_lora_decoder_layer_by_its_parts_offloads_and_keeps_the_plain_gradient
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
     blocks.remove()
+
+
+def test_a_block_called_with_keywords_only_has_its_input_measured_and_offloaded() -> None:
+    """Some models call their layers with ``hidden_states=...``: the input a whole-checkpointed block saves (and the
+    engine offloads) is that activation, not the mask passed beside it."""
+
+    class KeywordStack(Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.ones(x.shape[-1])
+            for block in self.blocks:
+                x = block(x=x) * mask
+            return x.sum()
+
+    model = KeywordStack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(3)
+    engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+    blocks.watch(lambda: engine.collect_stats(wait=False).eligible_bytes)
+    with engine:
+        loss = model(torch.randn(BATCH, WIDTH, requires_grad=True) * 2)
+    loss.backward()
+    blocks.unwatch()
+    row = BATCH * WIDTH * 4
+    sizes = blocks.sizes()
+    assert (sizes.checkpointed, sizes.input_bytes, sizes.first_input_bytes) == (3, row, row)
+    blocks.remove()
