@@ -336,3 +336,20 @@ def assert_inplace_error_or_exact_grad(loss: torch.Tensor, leaf: torch.Tensor, e
         assert "modified by an inplace operation" in str(err)
     else:
         assert torch.equal(leaf.grad, expected), "backward silently used an in-place-modified saved tensor"
+
+
+def tiny_llama_config(**changes: Any) -> Any:
+    """A random-init-sized Hugging Face ``LlamaConfig`` (hidden 64, 3 layers, 4 heads of which 2 for keys and values,
+    vocabulary 128); ``changes`` override its fields. Needs ``transformers``."""
+    import transformers
+
+    values: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+    }
+    return transformers.LlamaConfig(**{**values, **changes})

@@ -21,6 +21,7 @@ from lightning_offload.checkpointing import (
     remove_checkpointing,
     select_blocks,
 )
+from tests.models import tiny_llama_config
 
 HIDDEN = 32
 
@@ -320,17 +321,9 @@ def test_outer_offloading_sees_exactly_the_block_inputs(toy: Toy) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 def test_hf_llama_layers_with_kwargs() -> None:
     """HF decoder layers take position embeddings, masks and cache arguments as keywords."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config(intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train()
     ids = torch.randint(0, 128, (2, 24))

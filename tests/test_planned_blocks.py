@@ -10,6 +10,7 @@ from torch import nn
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.planned_blocks import PlannedBlocks
+from tests.models import tiny_llama_config
 
 WIDTH, BATCH = 32, 16
 
@@ -25,9 +26,11 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self) -> None:
+    """Four blocks of ``block`` (a class), summed."""
+
+    def __init__(self, block: type[nn.Module] = Block) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(block() for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -151,20 +154,14 @@ class PartsBlock(nn.Module):
         return x + self.second(x) * self.scale
 
 
-class PartsStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(PartsBlock() for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.sum()
+def parts_stack() -> Stack:
+    """Four ``PartsBlock`` blocks, the same weights at every call."""
+    torch.manual_seed(0)
+    return Stack(PartsBlock)
 
 
 def test_blocks_checkpointed_by_their_parts_wrap_each_part_and_come_off_again() -> None:
-    model = PartsStack()
+    model = parts_stack()
     blocks = PlannedBlocks(model)
     assert blocks.splittable
     blocks.checkpoint_last(2, split=True)
@@ -193,10 +190,10 @@ def test_sizes_measure_the_parts_of_the_block_run_in_full_and_what_blocks_by_par
     """The second block in full: each part saves its input and tanh's output (1 + 4 widths; ``down`` saves that same
     output), the block's own product saves ``second``'s output (1 width; the scale is a weight). The others by parts
     save each part's input and that output (3 widths); their gradients equal the plain model's."""
-    reference = PartsStack()
+    reference = parts_stack()
     x = torch.randn(BATCH, WIDTH)
     reference(x).backward()
-    model = PartsStack()
+    model = parts_stack()
     blocks = PlannedBlocks(model)
     blocks.checkpoint_all_but_one(split=True)
     engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
@@ -226,17 +223,8 @@ def test_a_hugging_face_decoder_layer_checkpointed_by_its_parts_saves_each_parts
     the block in full and more than whole-checkpointed, the largest part in full less than the block; gradients
     are the plain model's either way."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
     ids = torch.randint(0, 128, (1, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -273,19 +261,10 @@ def test_a_lora_decoder_layer_by_its_parts_offloads_and_keeps_the_plain_gradient
     needing no gradient): blocks by their parts, every saved tensor offloaded, give the adapters' plain gradients."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        use_cache=False,
-    )
     torch.manual_seed(0)
     model = peft.get_peft_model(
-        transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+        transformers.LlamaForCausalLM(tiny_llama_config(use_cache=False)),
+        peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0),
     )
     for name, p in model.named_parameters():
         if "lora_B" in name:
