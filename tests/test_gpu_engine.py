@@ -16,7 +16,7 @@ from lightning_offload import offload_activations
 from lightning_offload.host_pool import pool_for
 from lightning_offload.schedule import plan_candidates
 from tests import processes
-from tests.models import assert_inplace_error_or_exact_grad
+from tests.models import Attention, assert_inplace_error_or_exact_grad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -298,37 +298,14 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
-
-
-class Mlp(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
 class PartsBlock(nn.Module):
     """A decoder layer as Hugging Face writes them: attention, MLP and norms as modules of their own."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads)
-        self.norm2, self.mlp = nn.LayerNorm(hidden), Mlp(hidden)
+        self.norm1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads, "sdpa")
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
