@@ -154,6 +154,8 @@ def ordered(modes: list[str] | tuple[str, ...]) -> list[str]:
 # debugging mode, copy-bound by design) only where a step is short; the long workloads get the core rows and the
 # curve point that matters most there.
 _LLAMA1B = {"hidden": 2048, "layers": 16, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
+# Activation-dominated: with 256 token ids the logits are negligible (the capacity runs' small-vocab model).
+_SMALLVOCAB = {"hidden": 1024, "layers": 24, "intermediate": 4096, "heads": 16, "kv_heads": 4, "vocab": 256}
 # (`auto`, max_offload_bytes="auto", is gone: it offloaded far more than hides and the engine retires it; the
 # planner rows below replace it.)
 _OURS = ("off", "streamed", "streamed-all", "ac+offload")
@@ -210,12 +212,7 @@ WORKLOADS: dict[str, Workload] = {
         # there under the same cap, against AC's (B3's "at <= 1.10x AC's step time where both fit").
         Workload(
             "smallvocab-s48k",
-            hidden=1024,
-            layers=24,
-            intermediate=4096,
-            heads=16,
-            kv_heads=4,
-            vocab=256,
+            **_SMALLVOCAB,
             tied=False,
             batch=1,
             seq=49152,
@@ -253,12 +250,7 @@ CAPACITY_MODELS: dict[str, Workload] = {
         # the decoder layers save (~54 KB per token per layer in bf16) against each layer's input (2 KB) under AC.
         Workload(
             "smallvocab-h1024",
-            hidden=1024,
-            layers=24,
-            intermediate=4096,
-            heads=16,
-            kv_heads=4,
-            vocab=256,
+            **_SMALLVOCAB,
             tied=False,
             batch=1,
             seq=CAPACITY_STEP,
