@@ -80,27 +80,24 @@ class _CheckpointedForward:
             return forward(*args, **kwargs)
         if not getattr(self.module, "_can_checkpoint_with_cache", False):
             kwargs = _drop_cache(self.module, kwargs)
-        # Keyword arguments go in through ``partial``: ``checkpoint`` would otherwise swallow ones that share a name
-        # with its own options. Tensors among them that need no gradient (masks, rotary tables) are shared by every
-        # block and held by the model's forward anyway, so keeping them by reference costs no memory. Those that need
-        # one are activations (Hugging Face calls a decoder layer's attention with ``hidden_states=...``): they go in
-        # as inputs, which checkpointing saves, where an enclosing ``offload_activations`` sees them (held by
+        # Keyword arguments go in through ``_KeywordCall``: ``checkpoint`` would otherwise swallow ones that share a
+        # name with its own options. Tensors among them that need no gradient (masks, rotary tables) are shared by
+        # every block and held by the model's forward anyway, so keeping them by reference costs no memory. Those that
+        # need one are activations (Hugging Face calls a decoder layer's attention with ``hidden_states=...``): they
+        # go in as inputs, which checkpointing saves, where an enclosing ``offload_activations`` sees them (held by
         # reference, they would stay on the device).
         activations = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]
-        if activations:
-            return checkpoint(
-                _KeywordActivations(forward, kwargs, activations, len(args)),
-                *args,
-                *(kwargs[key] for key in activations),
-                use_reentrant=False,
-            )
-        fn = functools.partial(forward, **kwargs) if kwargs else forward
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(
+            _KeywordCall(forward, kwargs, activations, len(args)),
+            *args,
+            *(kwargs[key] for key in activations),
+            use_reentrant=False,
+        )
 
 
-class _KeywordActivations:
+class _KeywordCall:
     """Calls ``forward`` with the positional arguments it is given, the last of which are the keyword arguments named
-    ``keys`` (activations that checkpointing must save), and the other keyword arguments as they were."""
+    ``keys`` (activations that checkpointing must save), and the other keyword arguments by reference."""
 
     def __init__(self, forward: Any, kwargs: dict[str, Any], keys: list[str], positional: int) -> None:
         self.forward, self.keys, self.positional = forward, keys, positional
