@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,7 @@ class StorageCopy:
         "alias",
         "d2h_done",
         "end_pos",
+        "fetch_guard",
         "fetched",
         "h2d_done",
         "hi",
@@ -70,6 +72,9 @@ class StorageCopy:
         self.host: torch.Tensor | None = None
         self.pool: HostPool | None = None
         self.fetched: torch.Tensor | None = None  # the span back on the device, once fetched
+        # Orders the compute stream after the copy into ``fetched``, for a span let go of before backward waited for
+        # it (``None`` once it has, or where no copy is pending): its block may then be reused at once.
+        self.fetch_guard: Callable[[], None] | None = None
         self.d2h_done: torch.cuda.Event | None = None
         self.h2d_done: torch.cuda.Event | None = None
         self.last_use: torch.cuda.Event | None = None  # the last copy that touched ``host``
@@ -100,8 +105,19 @@ class StorageCopy:
     def drop(self) -> None:
         """Release everything: the step that made this copy raised, and unpacking it now is an error."""
         self.state = State.DROPPED
-        self.src = self.fetched = self.alias = None
+        self.release_fetched()
+        self.src = self.alias = None
         self.drop_host()
+
+    def release_fetched(self) -> None:
+        """Let go of the span fetched back. Its block returns to the compute stream's pool at once (no
+        ``record_stream``, which would hold it until the copy stream drained every copy queued meanwhile): a span
+        backward never waited for makes the compute stream wait for the copy into it first, so nothing it runs later
+        can reuse the block while that copy still writes."""
+        guard, self.fetch_guard = self.fetch_guard, None
+        if guard is not None and self.fetched is not None:
+            guard()
+        self.fetched = None
 
     def drop_host(self) -> None:
         """Return the host buffer to its pool (reused only after the last copy on it completes)."""
@@ -112,6 +128,10 @@ class StorageCopy:
 
     def __del__(self) -> None:
         # The graph that held this record is gone (backward ran, or the forward was discarded).
+        try:
+            self.release_fetched()
+        except Exception:  # interpreter shutdown: the streams may be gone already
+            pass
         self.drop_host()
 
 

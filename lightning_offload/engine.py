@@ -330,7 +330,8 @@ class OffloadEngine:
                 if copy.views_left <= 0:
                     # Autograd now holds what it needs; a second backward (retain_graph) fetches from host again.
                     # (A source still being copied out stays alive in the outbound queue until its copy is done.)
-                    copy.fetched = copy.src = None
+                    copy.release_fetched()
+                    copy.src = None
         inbound.prefetch(self._log.backward_pos, self._stats)
         return out
 

@@ -41,7 +41,6 @@ class StreamBackend(Protocol):
     def wait_event(self, stream: Any, event: Event) -> None: ...
     def wait_stream(self, stream: Any, other: Any) -> None: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
-    def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None: ...
     def link_bytes_per_ms(self) -> float: ...
     def synchronize(self) -> None: ...
 
@@ -77,11 +76,6 @@ class CudaStreams:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-
-    def keep_until_done(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        # If the graph is dropped before backward uses a fetched tensor, the allocator must not reuse its block while
-        # the copy into it is still pending.
-        tensor.record_stream(stream)
 
     def link_bytes_per_ms(self) -> float:
         """Pinned device -> host bandwidth, measured once per process (one short synchronizing copy)."""
@@ -225,9 +219,6 @@ class SimulatedStreams:
             self.log.append((stream.name, nbytes))
 
         stream.push(run)
-
-    def keep_until_done(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass  # the queued copy holds the tensor itself
 
     def link_bytes_per_ms(self) -> float:
         return self.bytes_per_ms

@@ -9,6 +9,7 @@ synchronization; it also times forward, for the link model and for the memory-bu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -170,14 +171,22 @@ class StreamedTransfer:
             done = streams.record(h2d)
             if end is not None:
                 end(h2d)
-            streams.keep_until_done(span, h2d)
         copy.h2d_done = copy.last_use = done
+        # No ``record_stream`` on the span: backward waits for ``done`` before it reads the span (``await_arrival``),
+        # so the compute stream may reuse its block once autograd lets go of it. Only a span let go of unread needs
+        # that wait first (the guard). With ``record_stream`` every span freed in backward stayed unusable until the
+        # copy stream had drained the prefetches queued behind it, and the allocator reserved fresh memory meanwhile.
+        copy.fetch_guard = partial(self._order_after, done)
         return span
+
+    def _order_after(self, event: Event) -> None:
+        self.streams.wait_event(self.streams.current(), event)
 
     def await_arrival(self, copy: StorageCopy) -> None:
         """Make the compute stream wait for ``copy``'s way back; the time it waits is the stall."""
         streams, done = self.streams, copy.h2d_done
         assert done is not None
+        copy.fetch_guard = None  # the compute stream waits for the copy below: the span's block is safe to reuse
         consumer = streams.current()
         if done.query():
             streams.wait_event(consumer, done)

@@ -242,3 +242,28 @@ def test_copies_come_back_before_their_planned_start_into_what_backward_freed(mo
     stats = engine.stats
     assert stats.offloaded_bytes == 4 * size and stats.fetched_on_demand_bytes == 0
     assert sim.max_queued_bytes["h2d"] == 4 * size  # every copy on its way back at once
+
+
+def test_a_span_fetched_back_and_never_used_is_released_after_its_copy() -> None:
+    """A backward that stops short (``torch.autograd.grad`` to an activation halfway) leaves copies fetched ahead that
+    backward never read. Fetched spans carry no ``record_stream`` (that kept every freed span's block unusable until
+    the copy stream drained), so letting go of an unread one must order the compute stream after the copy into it:
+    once the graph is gone, no copy back to the device may still be pending."""
+    sim = SimulatedStreams(lag=None)  # copies run only when something waits for them
+    engine = streamed_engine(sim, prefetch_bytes=1 << 30)
+    layers = Chain(n=8, width=64).layers
+    x = torch.randn(256, 64)
+    for _ in range(2):  # the second step plans its prefetch with a measured forward
+        with engine:
+            h = x
+            for i, layer in enumerate(layers):
+                h = torch.tanh(layer(h))
+                if i == 3:
+                    halfway = h
+            loss = h.sum()
+        sim.synchronize()  # the way out is done: what comes back must cross the link again
+        torch.autograd.grad(loss, halfway)
+        assert engine.stats.prefetched_bytes > 0
+        assert sim.h2d.done < sim.h2d.queued  # copies for the layers below `halfway` came back, unread
+        del loss, h, halfway
+        assert sim.h2d.done == sim.h2d.queued
