@@ -3,7 +3,7 @@
 A single device call may not fit every workload (each call is time-limited), so workloads run in separate calls
 and are merged here. Each workload's rows still come from one process; for a workload present in several runs,
 the last run given wins. The report names the run each workload came from. Capacity runs (``--capacity``) merge
-the same way, per model and cap, into a capacity section of the same report.
+per model and cap into a capacity section of the same report, the later run winning per mode.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def merge(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
             if result.get("rows"):
                 by_workload[result["workload"]["name"]] = {**result, "source_run": run["name"]}
         for result in run.get("capacity", []):
-            if any(entry.get("probes") for entry in result.get("searches", [])):
-                by_cap[(result["model"]["name"], result["cap_gib"])] = {**result, "source_run": run["name"]}
+            searched = [entry for entry in result.get("searches", []) if entry.get("probes")]
+            if searched:
+                key = (result["model"]["name"], result["cap_gib"])
+                by_cap[key] = _merge_searches(by_cap.get(key), result, searched, run["name"])
     results = [report.derive(result) for result in by_workload.values()]
     merged: dict[str, Any] = {
         "name": name,
@@ -38,6 +40,34 @@ def merge(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
         merged["capacity"] = list(by_cap.values())
         merged["capacity_verdicts"] = report.capacity_verdicts_json(merged["capacity"])
     return merged
+
+
+def _merge_searches(
+    earlier: dict[str, Any] | None, result: dict[str, Any], searched: list[dict[str, Any]], run: str
+) -> dict[str, Any]:
+    """One model and cap: the later run's searches win per mode, and the modes only an earlier run searched stay
+    (a run that searched one mode again does not drop the others)."""
+    modes = {entry["mode"]: (entry, run) for entry in searched}
+    walls = {run: result.get("wall_s") or 0.0}
+    if earlier is not None:
+        for entry, source in zip(earlier["searches"], earlier["mode_sources"], strict=True):
+            if entry["mode"] not in modes:
+                modes[entry["mode"]] = (entry, source)
+                walls.setdefault(source, earlier["run_walls"][source])
+    sources = [source for _, source in modes.values()]
+    if len(set(sources)) == 1:
+        named = sources[0]
+    else:
+        named = ", ".join(f"{mode} from {source}" for mode, (_, source) in modes.items())
+    walls = {source: wall for source, wall in walls.items() if source in sources}
+    return {
+        **result,
+        "searches": [entry for entry, _ in modes.values()],
+        "mode_sources": sources,
+        "run_walls": walls,
+        "wall_s": sum(walls.values()),  # the workers' time behind the searches kept
+        "source_run": named,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,3 +99,16 @@ def test_merging_nothing_measured_writes_nothing(tmp_path: Path) -> None:
     (tmp_path / "e.json").write_text(json.dumps(empty))
     assert main([str(tmp_path / "e.json"), "--out", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_capacity_run_of_one_mode_keeps_the_other_modes_of_an_earlier_run() -> None:
+    """A later run that searched only AC again replaces AC's search at that model and cap and keeps ours."""
+    a = _capacity_run("cap-a", {80: 47104})
+    b = _capacity_run("cap-b", {80: 1})
+    b["capacity"][0]["searches"] = [s for s in b["capacity"][0]["searches"] if s["mode"] == "ac"]
+    b["capacity"][0]["searches"][0].update(longest=45056, upper=45056, probes=[{"seq": 45056, "fits": True}])
+    merged = merge([a, b], "dev")
+    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 80]
+    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    assert longest == {"ac": 45056, "ours-budget": 47104}
+    assert result["source_run"] == "ac from cap-b, ours-budget from cap-a"
