@@ -668,6 +668,7 @@ def plan_step(
             "prefetch_bytes": outbound.prefetch_cap,
             "inflight_cap": configured_cap or DEFAULT_MAX_INFLIGHT_BYTES,
             "inflight_fixed": outbound.inflight_fixed,
+            "host_bytes": outbound.host_capacity(),
         }
         forward_ms, backward_ms = transfer.forward_ms(), transfer.backward_ms()
     else:

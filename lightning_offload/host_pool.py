@@ -165,6 +165,13 @@ class HostPool:
                 device_type="cuda" if self.pinned else "cpu",
             )
 
+    def capacity(self, limit: int) -> int:
+        """The most bytes of buffers the pool could hold now under ``limit``: what it holds, and what the machine's
+        available RAM allows past its headroom."""
+        memory = psutil.virtual_memory()
+        headroom = min(int(memory.total * _RAM_HEADROOM_FRACTION), _RAM_HEADROOM_MAX)
+        return max(0, min(limit, self.reserved_bytes + memory.available - headroom))
+
     def _fits(self, nbytes: int, limit: int) -> bool:
         if self.reserved_bytes + nbytes > limit:
             return False

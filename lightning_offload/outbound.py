@@ -74,6 +74,10 @@ class OutboundQueue:
         transfer = self._transfer
         return transfer.link.ratio if isinstance(transfer, StreamedTransfer) else None
 
+    def host_capacity(self) -> int:
+        """The most bytes of copies the host pool could hold now (its limit, or what the machine's RAM allows)."""
+        return self._pool.capacity(self._host_limit())
+
     def start_forward(self, planned_limit: int | None) -> None:
         """A forward starts saving: fix how many of its bytes may leave (a plan's limit, else the option's)."""
         self.limit = planned_limit if planned_limit is not None else self._options.max_offload_bytes

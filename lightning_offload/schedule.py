@@ -193,6 +193,9 @@ class StepProfile:
             device's memory and the host's time with compute), waits excluded; learnt by :class:`BudgetPlanner`.
         correction: bytes planned steps needed beyond their plans' predictions (peaks above them, reserved bytes past
             the budget): added to every plan's peak; learnt by :class:`BudgetPlanner`, only ever higher.
+        host_bytes: the most bytes the host pool can hold (its limit, or what the machine's RAM still allows): every
+            copy of a forward is on the host at once as it ends, so no plan offloads more than fits there in buffers
+            (0: not known, no bound).
     """
 
     peak: int
@@ -221,6 +224,7 @@ class StepProfile:
     optimizer_peak: int = 0
     copy_ms_per_gib: float = 0.0
     correction: int = 0
+    host_bytes: int = 0
 
     @property
     def two_peaks(self) -> bool:
@@ -447,6 +451,11 @@ def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False) -
         return Plan(0, k, kept_peak, k * per_block_ms, True, split=split)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
     movable = max(0, eligible - profile.tail)
+    if profile.host_bytes:
+        # What does not fit on the host stays on the device, past the plan's peak (on an H200, Llama-8B LoRA at 40960
+        # tokens under 80 GiB chose to offload 431 GiB with nothing checkpointed; the pool held 99 GiB, the rest stayed
+        # and the step ran out of memory). The pool's size classes pad a buffer by up to an eighth.
+        movable = min(movable, profile.host_bytes * 8 // 9)
     # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
     needed = [excess, excess + profile.prefetch_bytes]
     if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead, past the head's room

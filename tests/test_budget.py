@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -119,7 +120,12 @@ class FakeMemory:
 
 
 def planned_engine(
-    budget: int | str, memory: FakeMemory, model: nn.Module, sim: SimulatedStreams, trials: bool = False
+    budget: int | str,
+    memory: FakeMemory,
+    model: nn.Module,
+    sim: SimulatedStreams,
+    trials: bool = False,
+    host_memory_limit: int | None = None,
 ) -> OffloadEngine:
     """An engine planning under ``budget``; without ``trials`` it runs the model's cheapest plan (what most tests here
     check), with them it times the plans worth comparing."""
@@ -132,6 +138,7 @@ def planned_engine(
         resident_tail_bytes=0,
         max_inflight_bytes=64 * KiB,
         prefetch_bytes=64 * KiB,
+        host_memory_limit=host_memory_limit,
     )
     engine = OffloadEngine(options, model=model, streams=sim, memory=memory)
     memory.engine = engine
@@ -219,6 +226,37 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
     assert act <= planner.forward_peak <= budget  # the last planned step's, as its backward began
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
+
+
+def test_plans_offload_no_more_than_the_host_pool_can_hold() -> None:
+    """Every copy of a forward is on the host as forward ends, and what does not fit there stays on the device. With
+    ``host_memory_limit`` at half of what the cheapest plan offloads, the plan checkpoints blocks instead and offloads
+    at most what the pool's buffers hold (size classes pad by up to an eighth); the planned steps stay within the
+    budget, with the plain gradients."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    plans = {}
+    for limit in (None, "half"):
+        sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+        model = Stack(sim)
+        memory = FakeMemory(base=0, transient=act * 12 // 10)
+        memory.unhooked_resident = act
+        budget = act * 2
+        host = None if limit is None else plans[None].offload_bytes // 2
+        engine = planned_engine(budget, memory, model, sim, host_memory_limit=host)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the frugal measuring steps fill the small pool
+            steps = run_steps(engine, model, x, 5)
+        planner = engine.planner
+        assert planner is not None and planner.profile is not None and planner.plan is not None
+        plans[limit] = plan = planner.plan
+        assert plan.fits and max(memory.peaks[2:]) <= budget
+        for step in steps:
+            assert_same_grads(step["grads"], reference_grads(x))
+        if host is not None:
+            assert planner.profile.host_bytes == host
+            assert plan.offload_bytes <= host * 8 // 9 and steps[-1]["offloaded"] <= host * 8 // 9
+    assert plans[None].checkpoint_blocks == 0 and plans["half"].checkpoint_blocks > 0
 
 
 def test_backward_fetches_nothing_ahead_until_it_has_left_the_head() -> None:

@@ -75,6 +75,16 @@ def test_limit_raises_host_memory_full() -> None:
     assert (pool.allocations, pool.reserved_bytes, pool.in_use_bytes) == (2, 128 * KiB, 128 * KiB)
 
 
+def test_capacity_is_the_limit_or_what_ram_allows() -> None:
+    """What the pool could hold: its limit where RAM allows more, never more than it holds plus the RAM it may still
+    take (the machine's available RAM past the headroom)."""
+    pool = HostPool(pinned=False)
+    pool.acquire(64 * KiB, 1 << 20)
+    assert pool.capacity(1 << 20) == 1 << 20
+    by_ram = pool.capacity(BIG)
+    assert 64 * KiB < by_ram < BIG
+
+
 def test_host_full_from_a_cpu_pool_says_device_not_gpu() -> None:
     """A pool of plain (CPU test mode) buffers raises HostMemoryFull for the CPU: its messages say "device"."""
     pool = HostPool(pinned=False)

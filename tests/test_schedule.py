@@ -294,6 +294,20 @@ def test_checkpoints_the_fewest_blocks_when_offloading_would_stall() -> None:
     assert plan.extra_ms < (plan.checkpoint_blocks - 1) * 10.0 + only_offload.extra_ms
 
 
+def test_no_plan_offloads_more_than_the_host_can_hold() -> None:
+    """3.5 GiB would leave with nothing checkpointed (and hide); a host that holds 2 GiB of buffers takes at most 8/9
+    of that in copies (size classes pad by up to an eighth), so the plan checkpoints blocks to make up the rest."""
+    budget = 27 * GiB
+    unbounded = plan_for_budget(profile(), budget)
+    assert unbounded.checkpoint_blocks == 0 and unbounded.offload_bytes > 3 * GiB
+    plan = plan_for_budget(profile(host_bytes=2 * GiB), budget)
+    assert plan.fits and plan.peak <= budget and plan.checkpoint_blocks > 0
+    assert plan.offload_bytes <= 2 * GiB * 8 // 9
+    assert all(c.offload_bytes <= 2 * GiB * 8 // 9 for c in plan_candidates(profile(host_bytes=2 * GiB), budget))
+    nothing_fits = plan_candidates(profile(host_bytes=2 * GiB, blocks=0), budget)
+    assert not nothing_fits[0].fits  # offloading alone cannot get there without the host
+
+
 def test_no_blocks_means_offload_only_with_forward_waiting_for_the_link() -> None:
     plan = plan_for_budget(profile(blocks=0), budget=22 * GiB)
     assert plan.checkpoint_blocks == 0 and plan.fits
