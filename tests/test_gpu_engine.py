@@ -254,7 +254,7 @@ def test_a_backward_that_stops_short_leaves_later_steps_exact(net: tuple[nn.Modu
             assert all(torch.equal(a, b) for a, b in zip(_grads(model, tokens, engine, True), expected, strict=True))
 
 
-def test_spans_freed_in_backward_are_reused_at_once() -> None:
+def test_offloading_everything_reserves_at_most_1_10x_what_it_allocates() -> None:
     """Everything offloaded, in a fresh process: the steps reserve no more than 1.10x what they allocate (the spans
     backward fetched back and freed serve the next allocations; on an H200 1.06x, and 1.08x when each span still
     carried ``record_stream``)."""
@@ -356,7 +356,7 @@ class PartsBlock(nn.Module):
 
 def reserved_when_offloading() -> dict[str, float]:
     """Peak reserved and allocated memory over three steps that offload everything (after two that warm up), in a
-    fresh process: what ``test_spans_freed_in_backward_are_reused_at_once`` checks."""
+    fresh process: what ``test_offloading_everything_reserves_at_most_1_10x_what_it_allocates`` checks."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (8, 2048), device="cuda")

@@ -1,5 +1,5 @@
 """Offloads everything for a few steps in a process of its own (a fresh allocator); prints what
-``test_spans_freed_in_backward_are_reused_at_once`` checks, as JSON on the last line."""
+``test_offloading_everything_reserves_at_most_1_10x_what_it_allocates`` checks, as JSON on the last line."""
 
 from __future__ import annotations
 
