@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks import anchors, models, search
+from benchmarks.worker import allocator_segments
 from benchmarks.workloads import CAPACITY_MODELS, CAPACITY_STEP, MODES, Mode, Workload, tiny, worker_modes
 
 GiB = 1 << 30
@@ -355,6 +356,8 @@ def _search_mode(
         entry.update(state.as_dict(), status=f"error: {type(err).__name__}: {err}"[:500])
         return False
     entry.update(state.as_dict(), status="ok" if state.complete else f"incomplete: {state.stopped}")
+    if worker.cuda:
+        entry["allocator"] = allocator_segments()
     _finish(entry, state)
     return polluted
 

@@ -486,6 +486,8 @@ def _capacity_cell(entry: dict[str, Any] | None) -> str:
         text += f", {entry['tokens_per_s']:.0f} tok/s"
     if entry.get("peak_alloc_gib") is not None:
         text += f", {entry['peak_alloc_gib']:.1f}/{_fmt(entry.get('peak_reserved_gib'), '.1f')} GiB"
+    if entry.get("allocator") == "fixed":  # our engine switches expandable segments on: say where a search ran without
+        text += ", fixed segments"
     if status != "ok":
         text += f" ({status})"
     return text

@@ -164,6 +164,18 @@ class _Clock:
         return (t[1] - t[0], t[2] - t[1], t[3] - t[2])
 
 
+def allocator_segments() -> str | None:
+    """The CUDA allocator's segments in this process now: ``"expandable"`` (an offloading engine switched them on, or
+    the environment asked for them) or ``"fixed"``; ``None`` where the package under test cannot say. Plain rows that
+    run after an offloading row in one process inherit expandable segments (AC's capacity on Llama-1B at 80 GiB on an
+    H200: 45056 tokens so, 40960 with fixed segments)."""
+    try:
+        from lightning_offload.device_memory import expandable_segments
+    except ImportError:
+        return None
+    return "expandable" if expandable_segments() else "fixed"
+
+
 def _alloc_retries(device: torch.device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
@@ -515,6 +527,7 @@ class Runner:
         if self.cuda:
             row["peak_alloc_gib"] = torch.cuda.max_memory_allocated(self.device) / GiB
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
+            row["allocator"] = allocator_segments()
             # How often the allocator found the device (or the row's cap) full and flushed its cache, per timed step.
             row["alloc_flushes_per_step"] = (_alloc_retries(self.device) - flushes_before) / steps
         if engine_rows:

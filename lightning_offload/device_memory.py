@@ -75,3 +75,13 @@ def use_expandable_segments(device: torch.device | None = None) -> bool:
         return False
     _switched = True
     return True
+
+
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator maps expandable segments in this process: switched on by an engine here
+    (:func:`use_expandable_segments`), or asked for in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``. A process
+    keeps the setting, so plain training that runs after an offloading engine in it has them too."""
+    if _switched:
+        return True
+    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return any(item.strip().lower() == "expandable_segments:true" for item in settings.split(","))

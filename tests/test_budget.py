@@ -934,6 +934,31 @@ def test_expandable_segments_switched_on_unless_the_user_configured_the_allocato
     assert calls == ["expandable_segments:True"]
 
 
+@pytest.mark.parametrize(
+    ("switched", "env", "expected"),
+    [
+        (False, {}, False),
+        (True, {}, True),
+        (False, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, True),
+        (False, {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+        (False, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+    ],
+)
+def test_expandable_segments_says_what_the_process_runs_with(
+    monkeypatch: pytest.MonkeyPatch, switched: bool, env: dict[str, str], expected: bool
+) -> None:
+    """Switched on by an engine in this process, or asked for in the environment (the benchmark records it per row:
+    plain rows after an offloading one inherit the setting)."""
+    from lightning_offload import device_memory
+
+    monkeypatch.setattr(device_memory, "_switched", switched)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert device_memory.expandable_segments() is expected
+
+
 def test_the_allocator_is_left_alone_until_copies_leave(monkeypatch: pytest.MonkeyPatch) -> None:
     """Switching the allocator to expandable segments cost a small model 3 ms per 14 ms step on an H200 with nothing
     offloaded: the engine asks for it only once a step is about to offload, and only once."""

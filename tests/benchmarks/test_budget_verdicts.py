@@ -257,6 +257,12 @@ def test_capacity_b5_and_report() -> None:
     assert "## llama1b" in text and "| mode | 24 GiB |" in text
     table = report.capacity_table(runs)
     assert "ours-budget" in table and "B3" in table
+    # A search that ran with the allocator's fixed segments says so (our engine switches expandable ones on).
+    fixed = search("ac", 10240, 12288, peak_alloc_gib=20.0, peak_reserved_gib=21.0, allocator="fixed")
+    expandable = {**ours, "allocator": "expandable"}
+    text = report.capacity_markdown([capacity("llama1b", 24, [fixed, expandable])], "unit")
+    assert "| ac | 10240, 20.0/21.0 GiB, fixed segments |" in text
+    assert "| ours-budget | 12288, 9000 tok/s, 20.0/23.0 GiB |" in text
 
 
 @pytest.mark.parametrize("parts", [[(True, "a"), (None, "b")], [(None, "b")]])
