@@ -35,6 +35,19 @@ class MLP(nn.Module):
         return self.fc3(h).pow(2).mean()
 
 
+class Mix(nn.Module):
+    """A block's part that saves more than its input: a hidden layer ``expansion`` times as wide, and tanh's output (as
+    attention and MLP do)."""
+
+    def __init__(self, width: int, expansion: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, expansion * width)
+        self.down = nn.Linear(expansion * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
 class Attention(nn.Module):
     """Causal self-attention from one fused qkv projection, by SDPA or by an explicit softmax."""
 

@@ -21,7 +21,7 @@ from lightning_offload.checkpointing import apply_checkpointing, checkpointed_mo
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.schedule import StepProfile, cheapest_plan, plan_candidates, trial_plans
 from lightning_offload.streams import SimulatedStreams
-from tests.models import assert_same_grads
+from tests.models import Mix, assert_same_grads
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 WIDTH, BATCH, BLOCKS = 256, 64, 8
@@ -1041,25 +1041,13 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
     )
 
 
-class Mix(nn.Module):
-    """A part of a block that saves more than its input (tanh's output, twice as wide), as attention and MLP do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.tanh(self.up(x)))
-
-
 class PartsBlock(nn.Module):
     """Two parts with residual additions between them, as a decoder layer's attention and MLP; ``BLOCK_MS`` of
     simulated compute."""
 
     def __init__(self, sim: SimulatedStreams | None) -> None:
         super().__init__()
-        self.first, self.second, self.sim = Mix(), Mix(), sim
+        self.first, self.second, self.sim = Mix(WIDTH, 2), Mix(WIDTH, 2), sim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sim is not None:

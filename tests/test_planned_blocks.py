@@ -10,7 +10,7 @@ from torch import nn
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.planned_blocks import PlannedBlocks
-from tests.models import tiny_llama_config
+from tests.models import Mix, tiny_llama_config
 
 WIDTH, BATCH = 32, 16
 
@@ -127,26 +127,14 @@ def test_after_last_block_fires_once_per_forward_never_in_a_recompute() -> None:
     assert len(calls) == 2 and not model.blocks[-1]._forward_hooks
 
 
-class Mix(nn.Module):
-    """A part that saves more than its input: a hidden layer four times as wide, and tanh's output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(WIDTH, 4 * WIDTH)
-        self.down = nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.tanh(self.up(x)))
-
-
 class PartsBlock(nn.Module):
     """Two parts (as a decoder layer's attention and MLP) with residual additions between them, and a scale of its
     own (not a part: a parameter, not a module)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first = Mix()
-        self.second = Mix()
+        self.first = Mix(WIDTH, 4)
+        self.second = Mix(WIDTH, 4)
         self.scale = nn.Parameter(torch.ones(WIDTH))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
