@@ -168,16 +168,10 @@ class HostPool:
     def capacity(self, limit: int) -> int:
         """The most bytes of buffers the pool could hold now under ``limit``: what it holds, and what the machine's
         available RAM allows past its headroom."""
-        memory = psutil.virtual_memory()
-        headroom = min(int(memory.total * _RAM_HEADROOM_FRACTION), _RAM_HEADROOM_MAX)
-        return max(0, min(limit, self.reserved_bytes + memory.available - headroom))
+        return max(0, min(limit, self.reserved_bytes + _ram_to_spare()))
 
     def _fits(self, nbytes: int, limit: int) -> bool:
-        if self.reserved_bytes + nbytes > limit:
-            return False
-        memory = psutil.virtual_memory()
-        headroom = min(int(memory.total * _RAM_HEADROOM_FRACTION), _RAM_HEADROOM_MAX)
-        return memory.available - nbytes >= headroom
+        return self.reserved_bytes + nbytes <= limit and _ram_to_spare() >= nbytes
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if not self.pinned:
@@ -197,6 +191,12 @@ class HostPool:
                 torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
                 del self._registered[i]
                 return
+
+
+def _ram_to_spare() -> int:
+    """The machine's available RAM past the headroom the pool never takes (may be negative)."""
+    memory = psutil.virtual_memory()
+    return memory.available - min(int(memory.total * _RAM_HEADROOM_FRACTION), _RAM_HEADROOM_MAX)
 
 
 _POOLS: dict[str, HostPool] = {}
