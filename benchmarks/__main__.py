@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + "; ".join(f"{m}: {n}" for m, n in CAPACITY_MAX_SEQ.items())
         + f"; {capacity.TINY_MAX_SEQ} with --tiny)",
     )
+    group.add_argument(
+        "--capacity-from",
+        default="{}",
+        help="JSON {mode: tokens}: where each mode's search starts at the smallest cap (its first probe; default "
+        "the step). Skips the growth phase where an earlier run found the region; nothing is assumed to fit.",
+    )
     args = parser.parse_args(argv)
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -132,6 +138,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--caps {args.caps!r}: must be comma-separated numbers of GiB, e.g. {DEFAULT_CAPS}")
         if not caps or min(caps) <= 0:
             parser.error(f"--caps {args.caps!r}: must be positive numbers of GiB, e.g. {DEFAULT_CAPS}")
+    try:
+        first = json.loads(args.capacity_from)
+    except json.JSONDecodeError:
+        first = None
+    if not isinstance(first, dict) or not all(isinstance(v, int) and v > 0 for v in first.values()):
+        parser.error(
+            f"--capacity-from {args.capacity_from!r}: must be a JSON object of positive token counts, "
+            "e.g. '{\"ac\": 34816}'"
+        )
+    args.capacity_from = first
     default_caps = list(DEFAULT_CAPS_GIB)
     args.caps = {
         m: caps or (default_caps if args.tiny else list(CAPACITY_CAPS_GIB.get(m, default_caps)))
@@ -300,6 +316,7 @@ def run_capacity(args: argparse.Namespace, scratch: Path, started: float) -> int
         scratch,
         deadline_at,
         worker_env(),
+        first=args.capacity_from,
     )
     print(report.capacity_table(results))
     if not capacity_measured(results):

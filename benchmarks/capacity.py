@@ -434,8 +434,11 @@ def drive(
     scratch: Path,
     deadline_at: float,
     env: dict[str, str],
+    first: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Run one worker per (model, cap), each model's caps ascending; return their results (partial ones included).
+
+    ``first`` names where a mode's search starts at a model's smallest cap (its first probe), in place of ``step``.
 
     A mode's longest sequence at one cap is where its search starts at the next (more memory never fits less), so
     the larger caps skip the growth phase. A worker that exits with :data:`RESTART_CODE` is started again on the
@@ -445,7 +448,8 @@ def drive(
 
     results = []
     for model in models_:
-        longest: dict[str, int] = {}
+        # a worker starts one step above what it is given: one below the first probe asked for
+        longest: dict[str, int] = {mode: max(0, seq - step) for mode, seq in (first or {}).items()}
         for cap in sorted(caps[model]):
             path = scratch / f"{model}.{cap:g}.json"
             base = (tiny(CAPACITY_MODELS[model]) if tiny_run else CAPACITY_MODELS[model]).as_dict()

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import __main__ as cli
-from benchmarks import anchors, models, report
+from benchmarks import anchors, capacity, models, report
 from benchmarks.__main__ import parse_args
 from benchmarks.worker import NO_BUDGET_API, PLANNER_WARMUP, budget_bytes, memory_budget_available, run_workload
 from benchmarks.workloads import BUDGET_MODES, MODES, WORKLOADS, Mode, engine_kwargs
@@ -170,6 +171,34 @@ def test_cli_rejects_unknown_names() -> None:
     assert args.step == 128
     with pytest.raises(SystemExit):
         parse_args(["--capacity", "--max-seq", "1000"])  # less than one step
+
+
+def test_capacity_from_sets_each_modes_first_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for bad in ("34816", '{"ac": -2048}', '{"ac": "lots"}', "{nope"):
+        with pytest.raises(SystemExit):
+            parse_args(["--capacity", "--capacity-from", bad])
+    args = parse_args(["--capacity", "--capacity-from", '{"ac": 34816}'])
+    assert args.capacity_from == {"ac": 34816}
+    commands = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 0)
+    )
+    capacity.drive(
+        ["llama1b"],
+        {"llama1b": [24.0, 40.0]},
+        ["ac", "none"],
+        3,
+        2048,
+        {"llama1b": 65536},
+        False,
+        tmp_path,
+        time.time() + 3600,
+        {},
+        first={"ac": 34816},
+    )
+    # A worker starts one step above what it is given; with no result at 24 GiB, 40 GiB starts where 24 GiB did.
+    starts = [json.loads(next(a for a in c if a.startswith("--starts=")).split("=", 1)[1]) for c in commands]
+    assert starts == [{"ac": 32768}, {"ac": 32768}]
 
 
 def test_budget_rows_take_their_budget_from_earlier_rows() -> None:
