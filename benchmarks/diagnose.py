@@ -129,7 +129,8 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
         if planner.plan is not None:
             plan = planner.plan
             parts = " by parts" if plan.split else ""
-            record["plan"] = f"ckpt {plan.checkpoint_blocks}{parts}, offload {plan.offload_bytes / GiB:.2f} GiB"
+            light = f"elementwise {plan.light_blocks}, " if plan.light_blocks else ""
+            record["plan"] = f"{light}ckpt {plan.checkpoint_blocks}{parts}, offload {plan.offload_bytes / GiB:.2f} GiB"
         if planner.profile is not None:
             record["link_share"] = round(planner.profile.link_share, 3)
     return record
@@ -140,6 +141,7 @@ def _candidates(planner: Any) -> list[dict[str, Any]]:
         {
             "ckpt": c.checkpoint_blocks,
             "split": c.split,
+            "light": c.light_blocks,
             "offload_gib": round(c.offload_bytes / GiB, 2),
             "peak_gib": round(c.peak / GiB, 2),
             "cost_ms": round(c.extra_ms, 1),

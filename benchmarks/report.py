@@ -110,7 +110,7 @@ def derive(result: dict[str, Any]) -> dict[str, Any]:
         row["stall_ms"] = engine.get("stall_ms")
         # The bound uses the compute of the same model without offloading: `none`, or our checkpointing alone
         # for rows that checkpoint (their forward and backward include the recompute).
-        compute = rows.get("ac-ours") if row.get("checkpoint") == "ours" else none
+        compute = {"ours": rows.get("ac-ours"), "ours-elementwise": rows.get("sac")}.get(row.get("checkpoint"), none)
         row["t_bound_s"] = copy_bound(compute, offloaded, link) if _ok(compute) else None
         row["bound_ratio"] = row["step_s"] / row["t_bound_s"] if row.get("t_bound_s") else None
     return result
@@ -622,9 +622,14 @@ def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = N
         return "-"
     offload = plan["offload_bytes"] / (1 << 30)
     parts = " by parts" if plan.get("split") else ""
-    cell = f"{plan['checkpoint_blocks']} ckpt{parts} + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
+    light = f"{plan['light_blocks']} ew + " if plan.get("light_blocks") else ""
+    cell = f"{light}{plan['checkpoint_blocks']} ckpt{parts} + {offload:.2f} GiB, pred {plan['peak'] / (1 << 30):.2f}"
     if trials:
-        timed = "; ".join(f"{int(k)} + {gib:.2f}: {ms:.0f} ms" for k, gib, ms in trials)
+        # [blocks checkpointed, GiB offloaded, ms, blocks with elementwise recompute (absent in older results)]
+        timed = "; ".join(
+            f"{f'{int(t[3])} ew + ' if len(t) > 3 and t[3] else ''}{int(t[0])} + {t[1]:.2f}: {t[2]:.0f} ms"
+            for t in trials
+        )
         cell += f" (timed {timed})"
     return cell
 

@@ -418,8 +418,8 @@ class Runner:
         if mode.checkpoint == "hf":
             self.bench.enable_ac()
             cleanup.callback(self.bench.disable_ac)
-        elif mode.checkpoint == "ours":
-            apply_checkpointing(self.model, "auto")
+        elif mode.checkpoint in ("ours", "ours-elementwise"):
+            apply_checkpointing(self.model, "auto", recompute="elementwise" if mode.checkpoint != "ours" else "all")
             cleanup.callback(remove_checkpointing, self.model)
         if mode.anchor == "save_on_cpu":
             return anchors.save_on_cpu(), None
@@ -539,7 +539,7 @@ class Runner:
             row["profile"] = dataclasses.asdict(planner.profile)
             row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
             # The plans timed against each other: blocks checkpointed, GiB offloaded, mean timed step (device ms).
-            row["plan_trials"] = [[k, b / GiB, ms] for k, b, ms in getattr(planner, "timed_plans", [])]
+            row["plan_trials"] = [[k, b / GiB, ms, j] for k, b, ms, j in getattr(planner, "timed_plans", [])]
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

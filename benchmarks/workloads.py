@@ -62,7 +62,8 @@ class Mode:
     Attributes:
         name: the row's name.
         group: ``"baseline"`` (no offloading), ``"anchor"`` (other projects' offloaders) or ``"ours"``.
-        checkpoint: ``None``, ``"hf"`` (``gradient_checkpointing_enable``) or ``"ours"`` (``apply_checkpointing``).
+        checkpoint: ``None``, ``"hf"`` (``gradient_checkpointing_enable``), ``"ours"`` (``apply_checkpointing``) or
+            ``"ours-elementwise"`` (``apply_checkpointing(recompute="elementwise")``).
         anchor: ``None``, ``"save_on_cpu"``, ``"torchtune"`` or ``"trl"``.
         engine: ``offload_activations`` keyword arguments (``None``: no engine). Byte values are scaled down in
             ``--tiny`` runs.
@@ -90,6 +91,8 @@ def _modes() -> dict[str, Mode]:
         Mode("none", "baseline"),
         Mode("ac", "baseline", checkpoint="hf"),
         Mode("ac-ours", "baseline", checkpoint="ours"),
+        # Selective checkpointing: every block keeps its matrix products and attention, recomputes the rest.
+        Mode("sac", "baseline", checkpoint="ours-elementwise"),
         Mode("save_on_cpu", "anchor", anchor="save_on_cpu", needs_cuda=True),
         Mode("torchtune", "anchor", anchor="torchtune", needs_cuda=True),
         Mode("trl", "anchor", anchor="trl", needs_cuda=True),
@@ -99,6 +102,7 @@ def _modes() -> dict[str, Mode]:
         # Everything eligible leaves the device: the step should run at the copy bound (P1).
         Mode("streamed-all", "ours", engine={"mode": "streamed", "resident_tail_bytes": 0}, sweep=True),
         Mode("ac+offload", "ours", checkpoint="ours", engine={"mode": "streamed"}),
+        Mode("sac+offload", "ours", checkpoint="ours-elementwise", engine={"mode": "streamed"}),
     ]
     # The knob that trades memory for time: only the first N bytes of each forward leave the device.
     for gib in (1, 2, 3, 4, 6, 8, 12, 16, 24):

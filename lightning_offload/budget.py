@@ -175,7 +175,7 @@ class BudgetPlanner:
         return self._trials.trying
 
     @property
-    def timed_plans(self) -> list[tuple[int, int, float]]:
+    def timed_plans(self) -> list[tuple[int, int, float, int]]:
         """The plans timed against each other for the current profile: blocks checkpointed, bytes offloaded per
         forward, and the mean of their timed steps (device milliseconds, start to start)."""
         return self._trials.timed_plans()
@@ -267,7 +267,7 @@ class BudgetPlanner:
         self._reserved_at_start = self._counter("reserved")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
-            self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split)
+            self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
             if self._plan_since is None:
                 self._plan_since = self.step
             return self.plan
@@ -369,7 +369,8 @@ class BudgetPlanner:
             if 0 < forward_ms < 0.9 * p.forward_ms:
                 self.profile = p = dataclasses.replace(p, forward_ms=forward_ms)
                 changed = True
-            if 0 < backward_ms < 0.9 * p.backward_ms and not self.plan.checkpoint_blocks:  # recompute is not pace
+            recomputes = self.plan.checkpoint_blocks or self.plan.light_blocks
+            if 0 < backward_ms < 0.9 * p.backward_ms and not recomputes:  # recompute is not pace
                 self.profile = p = dataclasses.replace(p, backward_ms=backward_ms)
                 changed = True
             if changed:
@@ -457,7 +458,9 @@ class BudgetPlanner:
             self._full_block = sizes
         elif self._full_block is not None and sizes.checkpointed == sizes.count:  # every block checkpointed
             full = self._full_block
-            sizes = dataclasses.replace(sizes, block_bytes=full.block_bytes, part_bytes=full.part_bytes)
+            sizes = dataclasses.replace(
+                sizes, block_bytes=full.block_bytes, part_bytes=full.part_bytes, kept_bytes=full.kept_bytes
+            )
         block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
         # What a block checkpointed whole saves, and by its parts: measured where this step or the one before ran so.
         whole_input_bytes = sizes.first_input_bytes if sizes.split else input_bytes
@@ -490,6 +493,7 @@ class BudgetPlanner:
             block_input_bytes=whole_input_bytes,
             split_input_bytes=split_input_bytes,
             part_bytes=sizes.part_bytes if sizes.part_bytes < block_bytes else 0,
+            kept_bytes=sizes.kept_bytes,
             block_share=min(1.0, blocks_ms / forward_ms) if forward_ms > 0 else 0.0,
             backward_ms=backward_ms,
             link_share=self._link_share,

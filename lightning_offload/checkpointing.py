@@ -27,7 +27,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_offload.recompute_policy import selective_contexts
+
 __all__ = [
+    "RECOMPUTE",
     "apply_checkpointing",
     "candidate_blocks",
     "checkpointed_modules",
@@ -39,6 +42,8 @@ __all__ = [
 
 BlockSelector = str | type[nn.Module]
 
+# What backward reruns of a checkpointed block: everything, or all but its matrix products and attention.
+RECOMPUTE = ("all", "elementwise")
 _ALLOWED = (
     "'auto', a class name or module qualified name (str), an nn.Module subclass, or a non-empty sequence of "
     "class names / qualified names / nn.Module subclasses"
@@ -61,11 +66,14 @@ class _CheckpointedForward:
     Args:
         module: the module whose forward this replaces.
         original: the instance-level ``forward`` that was there before (``None``: the class's ``forward``).
+        recompute: ``"all"`` (backward reruns the whole forward) or ``"elementwise"`` (the outputs of matrix
+            products and attention are kept; see :mod:`lightning_offload.recompute_policy`).
     """
 
-    def __init__(self, module: nn.Module, original: Any) -> None:
+    def __init__(self, module: nn.Module, original: Any, recompute: str = "all") -> None:
         self.module = module
         self.original = original
+        self.recompute = recompute
 
     def _forward(self) -> Any:
         if self.original is not None:
@@ -87,11 +95,13 @@ class _CheckpointedForward:
         # go in as inputs, which checkpointing saves, where an enclosing ``offload_activations`` sees them (held by
         # reference, they would stay on the device).
         activations = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]
+        selective = {"context_fn": selective_contexts} if self.recompute == "elementwise" else {}
         return checkpoint(
             _KeywordCall(forward, kwargs, activations, len(args)),
             *args,
             *(kwargs[key] for key in activations),
             use_reentrant=False,
+            **selective,
         )
 
 
@@ -193,13 +203,16 @@ def candidate_blocks(model: nn.Module) -> list[str]:
     return [cls.__name__ for cls in found]
 
 
-def apply_checkpointing(model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto") -> list[str]:
+def apply_checkpointing(
+    model: nn.Module, blocks: BlockSelector | Sequence[BlockSelector] = "auto", recompute: str = "all"
+) -> list[str]:
     """Checkpoint the selected blocks of ``model`` (non-reentrant), by replacing each block's ``forward``.
 
     The model's code is untouched: each selected module instance gets a ``forward`` that runs the original one
     under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, only while the module is training and
     gradients are enabled, so evaluation and inference run exactly as before. Applying twice wraps nothing twice.
     A selected module nested in another selected module is left alone (checkpointing it again saves nothing).
+    Applying again with another ``recompute`` switches the wrapped modules to it.
     :func:`remove_checkpointing` undoes it; parameters, buffers and ``state_dict`` keys never change.
 
     Args:
@@ -208,18 +221,26 @@ def apply_checkpointing(model: nn.Module, blocks: BlockSelector | Sequence[Block
             transformer's decoder layers). A ``str``: modules whose class name or qualified name equals it (a
             qualified name of an ``nn.ModuleList`` selects its children). An ``nn.Module`` subclass: its
             instances. A sequence of these (names and classes mixed): their union.
+        recompute: what backward reruns. ``"all"``: the whole forward (a block saves only its inputs).
+            ``"elementwise"``: everything but the outputs of matrix products, convolutions and attention kernels,
+            which are kept on the device (selective checkpointing; a transformer block then saves roughly a third
+            to a half of what it saves unwrapped, for a few percent of its time). Gradients are the same either way.
 
     Returns:
         The qualified names of the checkpointed modules (also those that were already checkpointed).
 
     Raises:
-        ValueError: ``blocks`` is of another kind, or a selector matches no module (the message lists
-            :func:`candidate_blocks`).
+        ValueError: ``blocks`` is of another kind, a selector matches no module (the message lists
+            :func:`candidate_blocks`), or ``recompute`` is not one of :data:`RECOMPUTE`.
     """
+    if recompute not in RECOMPUTE:
+        raise ValueError(
+            f"apply_checkpointing(recompute={recompute!r}): recompute must be one of {', '.join(map(repr, RECOMPUTE))}"
+        )
     names = select_blocks(model, blocks)
     modules = dict(model.named_modules())
     for name in names:
-        _wrap(modules[name])
+        _wrap(modules[name], recompute)
     return names
 
 
@@ -288,13 +309,14 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]
 
 
-def _wrap(module: nn.Module) -> None:
+def _wrap(module: nn.Module, recompute: str = "all") -> None:
     current = module.__dict__.get("forward")
     if isinstance(current, _CheckpointedForward):
+        current.recompute = recompute
         return
     # Set through ``__dict__``: ``nn.Module.__setattr__`` has no business with a plain callable, and this also
     # works for modules that override ``__setattr__``.
-    module.__dict__["forward"] = _CheckpointedForward(module, current)
+    module.__dict__["forward"] = _CheckpointedForward(module, current, recompute)
 
 
 def parse_blocks(blocks: Any, call: str | None = None) -> list[BlockSelector]:

@@ -57,9 +57,10 @@ class PlanTrials:
         """Whether any plan was timed."""
         return any(self._ms.values())
 
-    def timed_plans(self) -> list[tuple[int, int, float]]:
-        """The plans timed: blocks checkpointed, bytes offloaded per forward, mean device milliseconds per step."""
-        return [(k, nbytes, sum(ms) / len(ms)) for (k, _, nbytes), ms in self._ms.items() if ms]
+    def timed_plans(self) -> list[tuple[int, int, float, int]]:
+        """The plans timed: blocks checkpointed, bytes offloaded per forward, mean device milliseconds per step, blocks
+        recomputing their elementwise operations."""
+        return [(k, nbytes, sum(ms) / len(ms), light) for (k, _, nbytes, light), ms in self._ms.items() if ms]
 
     def count(self, plan: Plan, step_ms: float, pinned: bool) -> bool:
         """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
@@ -119,12 +120,15 @@ class PlanTrials:
         """The trials' outcome in words: each plan's mean step."""
         times = []
         for p in compared:
-            what = f"{p.checkpoint_blocks} block(s){' by parts' if p.split else ''} + {p.offload_bytes / GiB:.2f} GiB"
+            light = f"{p.light_blocks} elementwise + " if p.light_blocks else ""
+            parts = " by parts" if p.split else ""
+            what = f"{light}{p.checkpoint_blocks} block(s){parts} + {p.offload_bytes / GiB:.2f} GiB"
             times.append(f"{what} {self._mean_ms(p):.1f} ms" if self._ms.get(_key(p)) else f"{what} not timed")
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
 
-def _key(plan: Plan) -> tuple[int, bool, int]:
-    """What a timing belongs to: the blocks checkpointed (whole or by parts) and the bytes offloaded (a plan that
-    checkpoints as many blocks but offloads more after a correction is another plan)."""
-    return plan.checkpoint_blocks, plan.split, plan.offload_bytes
+def _key(plan: Plan) -> tuple[int, bool, int, int]:
+    """What a timing belongs to: the blocks checkpointed (whole or by parts), the bytes offloaded (a plan that
+    checkpoints as many blocks but offloads more after a correction is another plan) and the blocks recomputing their
+    elementwise operations."""
+    return plan.checkpoint_blocks, plan.split, plan.offload_bytes, plan.light_blocks

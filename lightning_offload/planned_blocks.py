@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
 from lightning_offload.policy import backward_running
+from lightning_offload.recompute_policy import KeptBytes
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class BlockSizes:
         first_input_bytes: the size of a block's first input, on average (what a block checkpointed whole saves).
         part_bytes: eligible bytes the largest part of a block run in full saved (0: not measured).
         cut_bytes: what the checkpointed blocks saved in all (``input_bytes`` is its average, rounded down).
+        kept_bytes: what a block checkpointed with elementwise recompute would keep on the device besides its input:
+            the outputs of its matrix products and attention, counted over the second block run in full (0: not
+            measured).
     """
 
     count: int
@@ -48,6 +52,7 @@ class BlockSizes:
     first_input_bytes: int = 0
     part_bytes: int = 0
     cut_bytes: int = 0
+    kept_bytes: int = 0
 
 
 class PlannedBlocks:
@@ -66,8 +71,11 @@ class PlannedBlocks:
         self.parts = [_parts_of(name, block) for name, block in self.blocks]
         self.checkpointed: list[str] = []  # the blocks checkpointed (whole, or by their parts where ``split``)
         self.split = False
+        self.light: list[str] = []  # the blocks checkpointed with elementwise recompute (their products kept)
         self._wrapped: list[str] = []  # the modules this object checkpointed: blocks, or their parts
         self._part_marks: dict[int, tuple[int, int]] = {}  # the second block's parts: positions before and after
+        self._kept = KeptBytes()  # counts what the second block, run in full, would keep under elementwise recompute
+        self._kept_active = False
         self._clock = clock
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
         self._times: list[Any] = []  # timing marks: before the first block, after each block
@@ -83,9 +91,12 @@ class PlannedBlocks:
         """Whether every block has at least two parts to checkpoint apart (a block of one part gains nothing)."""
         return bool(self.parts) and all(len(parts) >= 2 for parts in self.parts)
 
-    def checkpoint_last(self, count: int, split: bool = False) -> None:
-        """Run the last ``count`` blocks checkpointed (and the others in full); ``split``: each by its parts."""
-        self._checkpoint([name for name, _ in self.blocks[len(self.blocks) - count :]] if count else [], split)
+    def checkpoint_last(self, count: int, split: bool = False, light: int = 0) -> None:
+        """Run the last ``count`` blocks checkpointed (``split``: each by its parts), the ``light`` blocks before them
+        checkpointed with elementwise recompute (their matrix products and attention kept), the others in full."""
+        names = [name for name, _ in self.blocks]
+        end = len(names) - count
+        self._checkpoint(names[end:] if count else [], split, names[max(0, end - light) : end] if light else [])
 
     def checkpoint_all_but_one(self, split: bool = False) -> None:
         """Run every block checkpointed but one, a typical one: the second. The first block's input often needs no
@@ -95,19 +106,22 @@ class PlannedBlocks:
         wanted = [name for i, (name, _) in enumerate(self.blocks) if i != 1] if len(self.blocks) > 1 else []
         self._checkpoint(wanted, split)
 
-    def _checkpoint(self, wanted: list[str], split: bool) -> None:
+    def _checkpoint(self, wanted: list[str], split: bool, light: list[str] | None = None) -> None:
         model = self._model
+        light = light or []
         if model is None or not self.blocks:
             return
         split = split and self.splittable and bool(wanted)
-        if wanted == self.checkpointed and split == self.split:
+        if wanted == self.checkpointed and split == self.split and light == self.light:
             return
         parts = dict(zip((name for name, _ in self.blocks), self.parts, strict=True))
         modules = [part for name in wanted for part, _ in parts[name]] if split else wanted
-        remove_checkpointing(model, [n for n in self._wrapped if n not in modules])
+        remove_checkpointing(model, [n for n in self._wrapped if n not in modules and n not in light])
         if modules:
             apply_checkpointing(model, modules)
-        self.checkpointed, self.split, self._wrapped = wanted, split, modules
+        if light:
+            apply_checkpointing(model, light, recompute="elementwise")
+        self.checkpointed, self.split, self.light, self._wrapped = wanted, split, light, modules + light
 
     def remove(self) -> None:
         """Leave the model as it was: no checkpointing of ours, no hooks."""
@@ -117,7 +131,7 @@ class PlannedBlocks:
             handle.remove()
         if self._model is not None and self._wrapped:
             remove_checkpointing(self._model, self._wrapped)
-        self.checkpointed, self.split, self._wrapped = [], False, []
+        self.checkpointed, self.split, self.light, self._wrapped = [], False, [], []
 
     def after_last_block(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` whenever the last block's forward returns, outside backward (a checkpointed block's
@@ -172,7 +186,30 @@ class PlannedBlocks:
             self._handles.append(part.register_forward_pre_hook(part_before))
             self._handles.append(part.register_forward_hook(part_after))
 
+        # What the second block would keep under elementwise recompute: counted while it runs in full, once.
+        self._kept.nbytes = 0
+        if len(self.blocks) > 1 and self.blocks[1][0] not in (*self.checkpointed, *self.light):
+            second = self.blocks[1][1]
+
+            def count_before(module: nn.Module, args: Any) -> None:
+                if not self._kept_active and not self._kept.nbytes and not backward_running():
+                    self._kept.__enter__()
+                    self._kept_active = True
+
+            def count_after(module: nn.Module, args: Any, output: Any) -> None:
+                self._stop_counting()
+
+            self._handles.append(second.register_forward_pre_hook(count_before))
+            # Always called, even when forward raises: the counting mode must not outlive the block.
+            self._handles.append(second.register_forward_hook(count_after, always_call=True))
+
+    def _stop_counting(self) -> None:
+        if self._kept_active:
+            self._kept_active = False
+            self._kept.__exit__(None, None, None)
+
     def unwatch(self) -> None:
+        self._stop_counting()
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -203,6 +240,7 @@ class PlannedBlocks:
             first_input_bytes=first_input_bytes,
             part_bytes=part_bytes,
             cut_bytes=sum(m[1] - m[0] for m in cut_marks),
+            kept_bytes=self._kept.nbytes if second_ran_full else 0,
         )
 
     def last_end(self) -> int:

@@ -31,6 +31,8 @@ METRIC_DOCS = """\
         ``offload/plan_checkpoint_blocks``: how many blocks the batch's plan checkpoints (NaN: it measured).
         ``offload/plan_split``: 1 where the plan checkpoints those blocks by their parts, 0 where whole (NaN: it
         measured).
+        ``offload/plan_light_blocks``: how many blocks the batch's plan runs with elementwise recompute (matrix
+        products and attention kept; NaN: it measured).
         ``offload/plan_peak_gib``: the peak the batch's plan predicts, in GiB (NaN: it measured).
         ``offload/plan_trial``: 1 for a batch whose plan was being timed against others (``plan_trials``), else 0
         (NaN: it measured).
@@ -124,6 +126,7 @@ class StepReporter:
             metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB if plan is not None else nan
             metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks) if plan is not None else nan
             metrics["offload/plan_split"] = float(plan.split) if plan is not None else nan
+            metrics["offload/plan_light_blocks"] = float(plan.light_blocks) if plan is not None else nan
             metrics["offload/plan_peak_gib"] = plan.peak / GiB if plan is not None else nan
             metrics["offload/plan_trial"] = float(planner.trying) if plan is not None else nan
         shown = "offload/peak_allocated_gib" if cuda is not None else "offload/offloaded_gib"

@@ -196,6 +196,8 @@ class StepProfile:
         host_bytes: the most bytes the host pool can hold (its limit, or what the machine's RAM still allows): every
             copy of a forward is on the host at once as it ends, so no plan offloads more than fits there in buffers
             (0: not known, no bound).
+        kept_bytes: what a block checkpointed with elementwise recompute keeps on the device besides its input (its
+            matrix products' and attention's outputs, out of the engine's reach; 0: not measured, no such plans).
     """
 
     peak: int
@@ -225,11 +227,17 @@ class StepProfile:
     copy_ms_per_gib: float = 0.0
     correction: int = 0
     host_bytes: int = 0
+    kept_bytes: int = 0
 
     @property
     def two_peaks(self) -> bool:
         """Whether the step's peak is modelled in two parts (the head's backward, the blocks' backward apart)."""
         return self.head_bytes > 0 and self.head_peak > 0 and self.backward_base > 0
+
+    @property
+    def lightenable(self) -> bool:
+        """Whether a plan may checkpoint blocks with elementwise recompute (measured, and keeping less than a block)."""
+        return self.blocks > 0 and self.kept_bytes > 0 and self.kept_bytes + self.block_input_bytes < self.block_bytes
 
     @property
     def splittable(self) -> bool:
@@ -254,6 +262,8 @@ class Plan:
             behind forward's compute).
         prefetch_cap: the most bytes fetched back ahead of need before backward frees any (``None``: the
             configured ``prefetch_bytes``).
+        light_blocks: how many blocks before the checkpointed ones run with elementwise recompute (their matrix
+            products and attention kept on the device, everything else recomputed in backward).
     """
 
     offload_bytes: int
@@ -264,10 +274,13 @@ class Plan:
     inflight_cap: int | None = None
     prefetch_cap: int | None = None
     split: bool = False
+    light_blocks: int = 0
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)
         what = []
+        if self.light_blocks:
+            what.append(f"recompute the elementwise operations of {self.light_blocks} block(s)")
         if self.checkpoint_blocks:
             what.append(f"checkpoint {self.checkpoint_blocks} block(s){' by their parts' if self.split else ''}")
         what.append(
@@ -423,32 +436,48 @@ def cheapest_plan(candidates: Sequence[Plan]) -> Plan:
 
 def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
-    fits), and last, where the blocks can be checkpointed by their parts, every block so: what
-    :func:`plan_for_budget` chooses from, listed for diagnosis."""
+    fits); where measured, the same with ``j`` of the other blocks recomputing only their elementwise operations (for
+    every ``j`` from 1 up to all of them); and last, where the blocks can be checkpointed by their parts, every block
+    so: what :func:`plan_for_budget` chooses from, listed for diagnosis (the last is the most frugal)."""
     candidates = [_candidate(profile, budget, k) for k in range(profile.blocks + 1)]
+    if profile.lightenable:
+        candidates[-1:-1] = [
+            _candidate(profile, budget, k, light=j)
+            for k in range(profile.blocks)
+            for j in range(1, profile.blocks - k + 1)
+        ]
     if profile.splittable:
         candidates.append(_candidate(profile, budget, profile.blocks, split=True))
     return candidates
 
 
-def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False) -> Plan:
-    """The cheapest plan under ``budget`` with the last ``k`` blocks checkpointed (``split``: by their parts), or the
-    most frugal where none fits."""
+# What recomputing a block's elementwise operations costs, as a share of the block's forward: those operations move
+# bytes rather than compute (norms, activations, rotary embeddings, casts), beside matrix products that dominate the
+# block's time. An estimate that ranks plans; the plans worth it are timed against each other.
+ELEMENTWISE_SHARE = 0.15
+
+
+def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False, light: int = 0) -> Plan:
+    """The cheapest plan under ``budget`` with the last ``k`` blocks checkpointed (``split``: by their parts) and the
+    ``light`` blocks before them recomputing their elementwise operations, or the most frugal where none fits."""
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
-    eligible = _eligible(profile, k, split)
+    eligible = _eligible(profile, k, split, light)
+    # What light blocks keep on the device: out of the engine's reach, so offloading never relieves it.
+    kept = light * profile.kept_bytes
     if profile.two_peaks:
-        phases = _phase_peaks(profile, k, eligible, split)
+        phases = _phase_peaks(profile, k + light, eligible, split and k > 0, kept)
         kept_peak = max(phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
-    elif k:
+    elif k or light:
         # Backward recomputes one checkpointed block (or part) at a time: its activations exist once more, briefly.
         rebuilt = profile.part_bytes if split else profile.block_bytes
-        kept_peak = profile.peak + profile.correction - profile.resident + eligible + rebuilt
+        kept_peak = profile.peak + profile.correction - profile.resident + eligible + kept + rebuilt
     else:
         # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak took for the block.
         kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible
+    recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
     if excess <= 0:
-        return Plan(0, k, kept_peak, k * per_block_ms, True, split=split)
+        return Plan(0, k, kept_peak, recompute_ms, True, split=split, light_blocks=light)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
     movable = max(0, eligible - profile.tail)
     if profile.host_bytes:
@@ -468,8 +497,8 @@ def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False) -
     if choice is None:
         choice = model.most_frugal(movable)
     peak = peak_of(choice)
-    cost = k * per_block_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
-    return Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap, split)
+    cost = recompute_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
+    return Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap, split, light)
 
 
 # Plans worth timing cost at most this share of a step (forward's and backward's compute) more than the cheapest by
@@ -500,24 +529,36 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
     if not fitting:
         return []
     best = min(fitting, key=lambda p: (p.extra_ms, p.peak))
-    if not best.offload_bytes and not best.checkpoint_blocks:
+    if not best.offload_bytes and not best.checkpoint_blocks and not best.light_blocks:
         return [best]
     step_ms = profile.forward_ms + (profile.backward_ms or 2 * profile.forward_ms)
     within = [p for p in fitting if p.extra_ms <= best.extra_ms + TRIAL_BAND * step_ms]
-    chosen = {(best.checkpoint_blocks, best.split): best}
+    chosen = {_shape(best): best}
+    # Elementwise recompute is priced by an estimate: the cheapest plan without it is timed beside the cheapest with.
+    whole = [p for p in within if not p.light_blocks]
+    if best.light_blocks and whole:
+        others = min(whole, key=lambda p: (p.extra_ms, p.peak))
+        chosen.setdefault(_shape(others), others)
     keeping = [p for p in within if not p.offload_bytes]
     if keeping:
         plain = min(keeping, key=lambda p: (p.extra_ms, p.peak))
-        chosen.setdefault((plain.checkpoint_blocks, plain.split), plain)
+        chosen.setdefault(_shape(plain), plain)
         low, high = sorted((best.checkpoint_blocks, plain.checkpoint_blocks))
         if high - low >= TRIAL_SPREAD:
-            halfway = min(within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.split, p.extra_ms))
-            chosen.setdefault((halfway.checkpoint_blocks, halfway.split), halfway)
+            halfway = min(
+                within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.split, p.light_blocks, p.extra_ms)
+            )
+            chosen.setdefault(_shape(halfway), halfway)
     else:
         # The fewest copies: blocks checkpointed whole save less than by their parts.
-        most = max(within, key=lambda p: (p.checkpoint_blocks, not p.split))
-        chosen.setdefault((most.checkpoint_blocks, most.split), most)
-    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split))
+        most = max(within, key=lambda p: (p.checkpoint_blocks, not p.split, p.light_blocks))
+        chosen.setdefault(_shape(most), most)
+    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split, p.light_blocks))
+
+
+def _shape(plan: Plan) -> tuple[int, bool, int]:
+    """Which blocks a plan checkpoints, and how: one trial per shape."""
+    return plan.checkpoint_blocks, plan.split, plan.light_blocks
 
 
 def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:
@@ -565,8 +606,11 @@ class PhasePeaks:
     blocks: int
 
 
-def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int, split: bool = False) -> PhasePeaks:
-    """The step's peaks before any offloading, with ``eligible`` bytes saved and ``checkpointed`` blocks:
+def _phase_peaks(
+    profile: StepProfile, checkpointed: int, eligible: int, split: bool = False, kept: int = 0
+) -> PhasePeaks:
+    """The step's peaks before any offloading, with ``eligible`` bytes saved, ``checkpointed`` blocks and ``kept``
+    bytes held on the device out of the engine's reach (what light blocks keep; counted whole in every phase):
 
     * forward's (every activation kept before the head, the loss's forward transient);
     * the head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt);
@@ -583,10 +627,10 @@ def _phase_peaks(profile: StepProfile, checkpointed: int, eligible: int, split: 
     # Activations the measured step held besides the head's, less what planned steps needed beyond the model.
     held = max(0, profile.resident - profile.head_bytes) - profile.correction
     before_head = eligible - profile.head_bytes
-    forward = profile.forward_peak - held + before_head if profile.forward_peak else 0
-    head = profile.head_peak - held + before_head
+    forward = profile.forward_peak - held + before_head + kept if profile.forward_peak else 0
+    head = profile.head_peak - held + before_head + kept
     rebuilt = int(REBUILD_SHARE * profile.block_bytes) if checkpointed else 0
-    blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible
+    blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible + kept
     if split and checkpointed:
         blocks -= split_relief(profile)
     return PhasePeaks(forward, head, blocks)
@@ -598,17 +642,21 @@ def split_relief(profile: StepProfile) -> int:
     return int(REBUILD_SHARE * max(0, profile.block_bytes - profile.part_bytes)) if profile.part_bytes else 0
 
 
-def _eligible(profile: StepProfile, checkpointed: int, split: bool = False) -> int:
-    """Eligible bytes one forward saves with the last ``checkpointed`` blocks checkpointed (``split``: by parts)."""
+def _eligible(profile: StepProfile, checkpointed: int, split: bool = False, light: int = 0) -> int:
+    """Eligible bytes one forward saves with the last ``checkpointed`` blocks checkpointed (``split``: by parts) and
+    ``light`` blocks recomputing their elementwise operations (they save their input, as a block checkpointed whole)."""
     saved = profile.split_input_bytes if split else profile.block_input_bytes
-    return max(0, profile.eligible - checkpointed * max(0, profile.block_bytes - saved))
+    cut = checkpointed * max(0, profile.block_bytes - saved) + light * max(
+        0, profile.block_bytes - profile.block_input_bytes
+    )
+    return max(0, profile.eligible - cut)
 
 
 def offload_cost_ms(profile: StepProfile, plan: Plan) -> float:
     """What ``plan``'s offloading costs per step by the model of ``profile`` (its recompute not included)."""
     if not plan.offload_bytes:
         return 0.0
-    eligible = _eligible(profile, plan.checkpoint_blocks, plan.split)
+    eligible = _eligible(profile, plan.checkpoint_blocks, plan.split, plan.light_blocks)
     model = OffloadModel(profile, eligible, released_at_head=profile.two_peaks)
     if plan.inflight_cap is None:
         return model.unbounded(plan.offload_bytes).cost_ms

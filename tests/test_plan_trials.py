@@ -46,7 +46,7 @@ def test_each_plan_runs_a_settling_step_and_three_timed_ones_the_fastest_is_kept
         "fastest of 3 plans timed (0 block(s) + 4.00 GiB 120.0 ms; 3 block(s) + 2.00 GiB 110.0 ms; "
         "6 block(s) + 0.00 GiB 100.0 ms): "
     )
-    assert sorted(trials.timed_plans()) == [(0, 4 * GiB, 120.0), (3, 2 * GiB, 110.0), (6, 0, 100.0)]
+    assert sorted(trials.timed_plans()) == [(0, 4 * GiB, 120.0, 0), (3, 2 * GiB, 110.0, 0), (6, 0, 100.0, 0)]
 
 
 def test_a_settling_step_and_steps_that_pinned_host_memory_are_not_timed() -> None:

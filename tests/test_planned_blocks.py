@@ -302,3 +302,40 @@ def test_a_block_called_with_keywords_only_has_its_input_measured_and_offloaded(
     sizes = blocks.sizes()
     assert (sizes.checkpointed, sizes.input_bytes, sizes.first_input_bytes) == (3, row, row)
     blocks.remove()
+
+
+def test_light_blocks_run_before_the_checkpointed_ones_with_elementwise_recompute() -> None:
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(1, light=2)
+    assert checkpointed_modules(model) == ["blocks.1", "blocks.2", "blocks.3"]
+    recompute = {name: model.get_submodule(name).__dict__["forward"].recompute for name in checkpointed_modules(model)}
+    assert recompute == {"blocks.1": "elementwise", "blocks.2": "elementwise", "blocks.3": "all"}
+    assert blocks.light == ["blocks.1", "blocks.2"] and blocks.checkpointed == ["blocks.3"]
+    blocks.checkpoint_last(2)
+    recompute = {name: model.get_submodule(name).__dict__["forward"].recompute for name in checkpointed_modules(model)}
+    assert recompute == {"blocks.2": "all", "blocks.3": "all"} and blocks.light == []
+    blocks.checkpoint_last(0, light=9)  # more than there are: all of them
+    assert blocks.light == [f"blocks.{i}" for i in range(4)]
+    blocks.remove()
+    assert checkpointed_modules(model) == []
+
+
+def test_sizes_count_what_the_second_block_would_keep_under_elementwise_recompute() -> None:
+    """The block run in full is counted as it runs: of its two products, ``down`` (1 width, 128 deep) is what it would
+    keep; ``up`` is only 32 deep, cheap to redo. Blocks checkpointed, or a recompute in backward, add nothing; a
+    forward where the second block is checkpointed measures nothing."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_all_but_one()
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    blocks.watch(lambda: 0)
+    model(x).backward()
+    blocks.unwatch()
+    assert blocks.sizes().kept_bytes == BATCH * WIDTH * 4
+    blocks.checkpoint_last(4)
+    blocks.watch(lambda: 0)
+    model(x).backward()
+    blocks.unwatch()
+    assert blocks.sizes().kept_bytes == 0
+    blocks.remove()

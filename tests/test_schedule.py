@@ -94,10 +94,12 @@ def test_a_plan_pace_replaces_what_the_link_model_learnt_and_stops_learning() ->
 # ---------------------------------------------------------------------------------------------- the memory budget
 
 from lightning_offload.schedule import (  # noqa: E402
+    ELEMENTWISE_SHARE,
     HIDDEN_SHARE,
     OffloadModel,
     Plan,
     StepProfile,
+    _candidate,
     _eligible,
     _phase_peaks,
     frugal_cap,
@@ -449,3 +451,44 @@ def test_trial_plans_prefer_whole_blocks_to_parts_for_the_fewest_copies() -> Non
     assert [(p.checkpoint_blocks, p.split) for p in chosen] == [(0, False), (6, False)]
     only_parts = trial_plans(profile, [_plan(6, 0.5, 50.0, fits=False), parts])
     assert only_parts == [parts]
+
+
+def test_light_blocks_are_candidates_only_where_what_they_keep_was_measured() -> None:
+    """Every (checkpointed, light) pair is a candidate once a block's kept bytes are known: 11 whole-block plans and,
+    for k checkpointed blocks, 10 - k light counts; the most frugal plan stays last."""
+    assert not any(c.light_blocks for c in plan_candidates(profile(), 26 * GiB))
+    candidates = plan_candidates(profile(kept_bytes=384 * MiB), 26 * GiB)
+    assert len(candidates) == 11 + sum(10 - k for k in range(10))
+    assert (candidates[-1].checkpoint_blocks, candidates[-1].light_blocks) == (10, 0)
+    # A light block keeps as much as a block less what it can give up, so keeping 1 GiB or more gives no such plan.
+    assert not any(c.light_blocks for c in plan_candidates(profile(kept_bytes=GiB - 64 * MiB), 26 * GiB))
+
+
+def test_light_blocks_hold_what_they_keep_on_the_device_and_cost_a_share_of_their_recompute() -> None:
+    """Against the same number of blocks checkpointed whole, light blocks peak higher by what they keep (offloading
+    never reaches it) and cost ELEMENTWISE_SHARE of the recompute."""
+    p = profile(kept_bytes=384 * MiB)
+    for j in (1, 4, 10):
+        light = _candidate(p, 100 * GiB, 0, light=j)
+        whole = _candidate(p, 100 * GiB, j)
+        assert light.peak - whole.peak == j * 384 * MiB
+        assert light.extra_ms == pytest.approx(ELEMENTWISE_SHARE * whole.extra_ms)
+        assert _eligible(p, 0, light=j) == _eligible(p, j)  # both save their input where offloading sees it
+    # Under a budget, the kept bytes stay: offloading must relieve as much as with no light block, plus them.
+    tight = _candidate(p, 22 * GiB, 0, light=10)
+    assert tight.offload_bytes >= 10 * (64 + 384) * MiB + 20 * GiB - 22 * GiB + GiB - 10 * 384 * MiB - p.tail
+
+
+def test_a_budget_that_offloading_cannot_meet_cheaply_is_met_by_light_blocks() -> None:
+    """A slow link (5 MiB/ms: forward hides ~0.4 GiB) and 4 GiB to save, 5 with the block rebuilt in backward: light
+    blocks give up 576 MiB each at 1.5 ms, whole blocks 960 MiB at 10 ms; the plan recomputes the elementwise
+    operations of 9 blocks, and the trials time it against the cheapest plan without them."""
+    p = profile(kept_bytes=384 * MiB, link_bytes_per_ms=5 * MiB)
+    budget = 26 * GiB
+    plan = plan_for_budget(p, budget)
+    assert plan.fits and plan.peak <= budget
+    assert plan.light_blocks == 9 and plan.checkpoint_blocks == 0 and plan.offload_bytes == 0
+    assert plan.extra_ms == pytest.approx(9 * ELEMENTWISE_SHARE * 10.0)
+    assert "recompute the elementwise operations of 9 block(s)" in plan.describe(budget)
+    chosen = trial_plans(p, plan_candidates(p, budget))
+    assert plan in chosen and any(not c.light_blocks for c in chosen)

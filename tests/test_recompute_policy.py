@@ -1,0 +1,132 @@
+"""Elementwise recompute: which results a block keeps, what that saves, and that gradients do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_offload import offload_activations
+from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
+from lightning_offload.recompute_policy import CHEAP_INNER_DIM, KeptBytes, keep_products
+from tests.models import tiny_llama_config
+
+WIDTH, ROWS = 128, 16
+aten = torch.ops.aten
+
+
+class GatedBlock(nn.Module):
+    """A norm, a gated MLP and a rank-8 adapter on its output: three products worth keeping (up, gate, down), one
+    that is not (the adapter's second factor), and elementwise work in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH, bias=False)
+        self.gate = nn.Linear(WIDTH, 2 * WIDTH, bias=False)
+        self.down = nn.Linear(2 * WIDTH, WIDTH, bias=False)
+        self.adapter_a = nn.Linear(2 * WIDTH, 8, bias=False)
+        self.adapter_b = nn.Linear(8, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        inner = F.silu(self.gate(h)) * self.up(h)
+        return x + self.down(inner) + self.adapter_b(self.adapter_a(inner))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_products_are_kept_unless_their_inner_dimension_is_small_and_everything_else_is_recomputed() -> None:
+    wide, narrow = torch.zeros(4, CHEAP_INNER_DIM + 1), torch.zeros(4, CHEAP_INNER_DIM)
+    assert keep_products(None, aten.mm.default, wide, wide.T) == CheckpointPolicy.MUST_SAVE
+    assert keep_products(None, aten.mm.default, narrow, narrow.T) == CheckpointPolicy.PREFER_RECOMPUTE
+    bias = torch.zeros(4)
+    assert keep_products(None, aten.addmm.default, bias, wide, wide.T) == CheckpointPolicy.MUST_SAVE
+    assert keep_products(None, aten.addmm.default, bias, narrow, narrow.T) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep_products(None, aten.add.Tensor, wide, wide) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep_products(None, aten.silu.default, wide) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_kept_bytes_count_the_outputs_of_the_kept_products_of_a_block() -> None:
+    block = GatedBlock()
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with KeptBytes() as kept:
+        block(x)
+    # gate and up (2 widths each) and down (1 width); the adapter's first factor is an 8-wide output of a 256-deep
+    # product (kept), its second a 128-wide output of an 8-deep one (recomputed).
+    assert kept.nbytes == ROWS * (2 * WIDTH + 2 * WIDTH + WIDTH + 8) * 4
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_elementwise_recompute_gives_the_plain_gradients_and_offloads_only_block_inputs() -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(ROWS, WIDTH)
+    expected = _grads(model, x)
+    names = apply_checkpointing(model, recompute="elementwise")
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    engine = offload_activations(
+        mode="sync", memory_budget=None, compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0
+    )
+    with engine:
+        got = _grads(model, x)
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+    # What the engine saw of the blocks: their inputs only (the products stay with checkpointing, the rest is rebuilt).
+    assert 0 < engine.stats.offloaded_bytes <= 4 * ROWS * WIDTH * 4  # three inputs, and the loss's square
+    remove_checkpointing(model)
+
+
+def test_applying_again_switches_what_is_recomputed_and_bad_values_are_refused() -> None:
+    model = Stack()
+    apply_checkpointing(model, "blocks.1", recompute="elementwise")
+    wrapper = model.blocks[1].__dict__["forward"]
+    assert wrapper.recompute == "elementwise"
+    apply_checkpointing(model, "blocks.1")
+    assert model.blocks[1].__dict__["forward"] is wrapper and wrapper.recompute == "all"
+    with pytest.raises(ValueError, match=r"apply_checkpointing\(recompute='some'\): recompute must be one of 'all', "):
+        apply_checkpointing(model, "blocks.0", recompute="some")
+    assert "forward" not in model.blocks[0].__dict__  # nothing half-applied
+
+
+def test_a_hugging_face_llama_with_elementwise_recompute_keeps_the_plain_gradients() -> None:
+    """Random-init Llama (hidden 128, so every projection is worth keeping) with LoRA adapters on every linear layer:
+    each decoder layer keeps its projections and attention, recomputes norms, rotary embeddings and the MLP's
+    activation, and the gradients are bit-equal to the plain run's."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = tiny_llama_config(hidden_size=128, intermediate_size=384, use_cache=False)
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    ids = torch.randint(0, 128, (1, 64))
+    model(input_ids=ids, labels=ids).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    layers = apply_checkpointing(model, recompute="elementwise")
+    assert len(layers) == 3
+    model(input_ids=ids, labels=ids).loss.backward()
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
