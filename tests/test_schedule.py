@@ -454,12 +454,16 @@ def test_trial_plans_prefer_whole_blocks_to_parts_for_the_fewest_copies() -> Non
 
 
 def test_light_blocks_are_candidates_only_where_what_they_keep_was_measured() -> None:
-    """Every (checkpointed, light) pair is a candidate once a block's kept bytes are known: 11 whole-block plans and,
-    for k checkpointed blocks, 10 - k light counts; the most frugal plan stays last."""
+    """Every (checkpointed, light) pair is a candidate once a block's kept bytes are known: 11 whole-block plans (the
+    k-th checkpointing k blocks) and, for k checkpointed blocks, 10 - k light counts after them. With nothing under
+    the budget, the most frugal plan is every block checkpointed whole, not one with light blocks."""
     assert not any(c.light_blocks for c in plan_candidates(profile(), 26 * GiB))
     candidates = plan_candidates(profile(kept_bytes=384 * MiB), 26 * GiB)
     assert len(candidates) == 11 + sum(10 - k for k in range(10))
-    assert (candidates[-1].checkpoint_blocks, candidates[-1].light_blocks) == (10, 0)
+    assert [(c.checkpoint_blocks, c.light_blocks) for c in candidates[:11]] == [(k, 0) for k in range(11)]
+    assert all(c.light_blocks for c in candidates[11:])
+    frugal = plan_for_budget(profile(kept_bytes=384 * MiB), GiB)
+    assert not frugal.fits and (frugal.checkpoint_blocks, frugal.light_blocks) == (10, 0)
     # A light block keeps as much as a block less what it can give up, so keeping 1 GiB or more gives no such plan.
     assert not any(c.light_blocks for c in plan_candidates(profile(kept_bytes=GiB - 64 * MiB), 26 * GiB))
 
@@ -492,3 +496,14 @@ def test_a_budget_that_offloading_cannot_meet_cheaply_is_met_by_light_blocks() -
     assert "recompute the elementwise operations of 9 block(s)" in plan.describe(budget)
     chosen = trial_plans(p, plan_candidates(p, budget))
     assert plan in chosen and any(not c.light_blocks for c in chosen)
+
+
+def test_trial_plans_time_the_plans_with_light_blocks_and_those_without_as_two_families() -> None:
+    """The cheapest plan and the cheapest without copies of each family (light blocks priced by an estimate that can
+    be off by more than the band between them), with the halfway plan of the plans without light blocks."""
+    profile = _trial_profile()
+    light = [replace(_plan(0, 1.0, 4.0), light_blocks=12), replace(_plan(0, 0.0, 9.0), light_blocks=16)]
+    whole = [_plan(1, 7.0, 15.0), _plan(4, 3.0, 30.0), _plan(8, 0.0, 50.0)]
+    chosen = trial_plans(profile, [*whole, *light])
+    shapes = [(p.checkpoint_blocks, p.light_blocks, p.offload_bytes) for p in chosen]
+    assert shapes == [(1, 0, 7 * GiB), (4, 0, 3 * GiB), (0, 12, GiB), (0, 16, 0), (8, 0, 0)]
