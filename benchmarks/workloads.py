@@ -133,7 +133,7 @@ FLOOR_HEADROOM = 1.10
 
 MODES: dict[str, Mode] = _modes()
 
-_BASELINES = ("none", "ac", "ac-ours")
+_BASELINES = ("none", "ac", "ac-ours", "sac")
 _ANCHORS = ("save_on_cpu", "torchtune", "trl")
 _SWEEP_1B_S4K = ("budget-1G", "budget-2G", "budget-3G", "budget-4G", "budget-8G")
 # Rows run in this order of groups: our engine's host pool (up to ~85 GiB pinned for the 8B workload) is released
