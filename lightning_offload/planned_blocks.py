@@ -41,7 +41,7 @@ class BlockSizes:
         cut_bytes: what the checkpointed blocks saved in all (``input_bytes`` is its average, rounded down).
         kept_bytes: what a block checkpointed with elementwise recompute would keep on the device besides its input:
             the outputs of its matrix products and attention, counted over the second block run in full (0: not
-            measured).
+            measured, or the block writes into one of them in place, which elementwise recompute refuses).
     """
 
     count: int
@@ -187,7 +187,7 @@ class PlannedBlocks:
             self._handles.append(part.register_forward_hook(part_after))
 
         # What the second block would keep under elementwise recompute: counted while it runs in full, once.
-        self._kept.nbytes = 0
+        self._kept.reset()
         if len(self.blocks) > 1 and self.blocks[1][0] not in (*self.checkpointed, *self.light):
             second = self.blocks[1][1]
 
@@ -240,7 +240,8 @@ class PlannedBlocks:
             first_input_bytes=first_input_bytes,
             part_bytes=part_bytes,
             cut_bytes=sum(m[1] - m[0] for m in cut_marks),
-            kept_bytes=self._kept.nbytes if second_ran_full else 0,
+            # A block that writes into a kept output in place cannot run so (backward would raise): no light blocks.
+            kept_bytes=self._kept.nbytes if second_ran_full and not self._kept.mutated else 0,
         )
 
     def last_end(self) -> int:

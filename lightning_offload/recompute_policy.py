@@ -67,15 +67,46 @@ def selective_contexts() -> tuple[Any, Any]:
 class KeptBytes(TorchDispatchMode):
     """Counts, while active, the bytes a block checkpointed with ``recompute="elementwise"`` would keep: the outputs
     of the operations :func:`keep_products` keeps. Run over a block in full, it says what the block would hold on the
-    device so (its input aside), without running it so."""
+    device so (its input aside), without running it so.
+
+    It also notes whether a later operation writes in place into memory a kept output lives in (``h = linear(x);
+    h.mul_(2)``): selective checkpointing refuses a kept tensor that changed after it was kept, so backward would raise
+    (``mutated``; the memory-budget planner then plans no light blocks).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+        self.mutated = False
+        self._storages: set[int] = set()  # where kept outputs live (no reference kept: they are not held longer)
+
+    def reset(self) -> None:
+        self.nbytes, self.mutated = 0, False
+        self._storages.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if keep_products(None, func, *args, **(kwargs or {})) == CheckpointPolicy.MUST_SAVE:
-            outputs = out if isinstance(out, tuple | list) else (out,)
-            self.nbytes += sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+        kwargs = kwargs or {}
+        if self._storages and not self.mutated:
+            self.mutated = any(_storage(t) in self._storages for t in _written(func, args, kwargs))
+        out = func(*args, **kwargs)
+        if keep_products(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
+            outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
+            self.nbytes += sum(t.numel() * t.element_size() for t in outputs)
+            self._storages.update(_storage(t) for t in outputs)
         return out
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into (in-place and ``out=`` arguments), by its schema."""
+    written: list[torch.Tensor] = []
+    schema = getattr(func, "_schema", None)  # every operator overload has one; anything else writes nothing known
+    for index, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            if isinstance(value, torch.Tensor):
+                written.append(value)
+    return written
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

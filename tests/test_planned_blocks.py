@@ -339,3 +339,25 @@ def test_sizes_count_what_the_second_block_would_keep_under_elementwise_recomput
     blocks.unwatch()
     assert blocks.sizes().kept_bytes == 0
     blocks.remove()
+
+
+class ScalingBlock(Block):
+    """Writes into its down projection's output in place (128 deep: a product elementwise recompute would keep)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(torch.tanh(self.up(x)))
+        out.mul_(0.5)
+        return x + out
+
+
+def test_a_block_that_writes_into_a_product_in_place_measures_no_kept_bytes() -> None:
+    """Such a block cannot run with elementwise recompute (backward would raise), so the planner gets no light blocks
+    from it: its kept bytes read 0."""
+    model = Stack(ScalingBlock)
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_all_but_one()
+    blocks.watch(lambda: 0)
+    model(torch.randn(BATCH, WIDTH, requires_grad=True)).backward()
+    blocks.unwatch()
+    assert blocks.sizes().kept_bytes == 0
+    blocks.remove()

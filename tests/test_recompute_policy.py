@@ -120,7 +120,23 @@ def test_a_hugging_face_llama_with_elementwise_recompute_keeps_the_plain_gradien
         if "lora_B" in name:
             torch.nn.init.normal_(p)
     ids = torch.randint(0, 128, (1, 64))
+    layer = model.get_base_model().model.layers[1]
+    kept = KeptBytes()
+    # Counted over one layer run in full, as the planner counts it: q (1 width), k and v (1/2 each), attention's
+    # output (1), o (1), gate and up (3 each), down (1): 11 widths per token, and the softmax's log-sum-exp.
+
+    def start(*_: object) -> None:
+        kept.__enter__()
+
+    def stop(*_: object) -> None:
+        kept.__exit__(None, None, None)
+
+    handles = [layer.register_forward_pre_hook(start), layer.register_forward_hook(stop)]
     model(input_ids=ids, labels=ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    width = 128 * 4
+    assert 11 * 64 * width <= kept.nbytes < 12 * 64 * width and not kept.mutated
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     layers = apply_checkpointing(model, recompute="elementwise")
@@ -128,5 +144,53 @@ def test_a_hugging_face_llama_with_elementwise_recompute_keeps_the_plain_gradien
     model(input_ids=ids, labels=ids).loss.backward()
     got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+
+
+class ScalingBlock(GatedBlock):
+    """Scales its up projection in place: a kept output written after it was kept."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up(self.norm(x))
+        up.mul_(0.5)
+        return x + self.down(F.silu(up))
+
+
+def test_a_block_that_writes_into_a_kept_output_is_noted_and_elementwise_recompute_refuses_it() -> None:
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with KeptBytes() as kept:
+        GatedBlock()(x)
+    assert not kept.mutated
+    block = ScalingBlock()
+    with KeptBytes() as kept:
+        block(x)
+    assert kept.mutated and kept.nbytes > 0
+    kept.reset()
+    assert (kept.nbytes, kept.mutated) == (0, False)
+    # What the planner avoids by planning no light blocks for it: selective checkpointing's own error in backward.
+    apply_checkpointing(block, "ScalingBlock", recompute="elementwise")
+    with pytest.raises(RuntimeError, match="mutated"):
+        block(x).sum().backward()
+
+
+def test_dropout_in_a_block_with_elementwise_recompute_is_replayed_exactly() -> None:
+    """Dropout is elementwise: recomputed in backward with forward's random state, the mask is the same."""
+
+    class DropBlock(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            inner = F.dropout(F.silu(self.gate(h)), 0.3, self.training) * self.up(h)
+            return x + self.down(inner) + self.adapter_b(self.adapter_a(inner))
+
+    torch.manual_seed(0)
+    model = Stack()
+    model.blocks = nn.ModuleList(DropBlock() for _ in range(3))
+    x = torch.randn(ROWS, WIDTH)
+    torch.manual_seed(1)
+    expected = _grads(model, x)
+    apply_checkpointing(model, recompute="elementwise")
+    torch.manual_seed(1)
+    got = _grads(model, x)
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
