@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
-from lightning_offload.checkpointing import CHECKPOINT_DOCS, RunCheckpointing
+from lightning_offload.checkpointing import CHECKPOINT_DOCS, RunCheckpointing, check_recompute
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import release_host_memory
 from lightning_offload.memory_picture import PICTURE_OPTION_DOCS, MemoryPicture
@@ -72,6 +72,7 @@ class ActivationOffloadCallback(Callback):
         measure_copies: bool = False,
         plan_trials: bool = True,
         checkpoint: str | type[nn.Module] | list[str | type[nn.Module]] | None = None,
+        recompute: str = "all",
         progress_bar: bool = False,
         memory_picture: bool = False,
         memory_picture_compare: bool = True,
@@ -81,9 +82,12 @@ class ActivationOffloadCallback(Callback):
         values = dict(locals())
         shared = {name: values[name] for name in OffloadOptions.names()}
         self.options = OffloadOptions.create("ActivationOffloadCallback", **shared)
-        self.checkpoint = checkpoint
-        call = f"ActivationOffloadCallback(checkpoint={checkpoint!r})"
-        self._manual = RunCheckpointing(checkpoint, call) if checkpoint is not None else None
+        self.checkpoint, self.recompute = checkpoint, recompute
+        call = f"ActivationOffloadCallback(checkpoint={checkpoint!r}" + (
+            f", recompute={recompute!r})" if recompute != "all" else ")"
+        )
+        check_recompute(recompute, call, checkpoint)
+        self._manual = RunCheckpointing(checkpoint, call, recompute) if checkpoint is not None else None
         _check_reporting_args(values)
         self.progress_bar = progress_bar
         self._reporter = StepReporter(self.options, progress_bar)

@@ -33,6 +33,7 @@ __all__ = [
     "RECOMPUTE",
     "apply_checkpointing",
     "candidate_blocks",
+    "check_recompute",
     "checkpointed_modules",
     "find_repeated_blocks",
     "parse_blocks",
@@ -233,15 +234,24 @@ def apply_checkpointing(
         ValueError: ``blocks`` is of another kind, a selector matches no module (the message lists
             :func:`candidate_blocks`), or ``recompute`` is not one of :data:`RECOMPUTE`.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(
-            f"apply_checkpointing(recompute={recompute!r}): recompute must be one of {', '.join(map(repr, RECOMPUTE))}"
-        )
+    check_recompute(recompute, f"apply_checkpointing(recompute={recompute!r})")
     names = select_blocks(model, blocks)
     modules = dict(model.named_modules())
     for name in names:
         _wrap(modules[name], recompute)
     return names
+
+
+def check_recompute(recompute: Any, call: str, checkpoint: Any = "auto") -> None:
+    """Raise unless ``recompute`` is one of :data:`RECOMPUTE` and, where it is not ``"all"``, blocks are selected
+    (``checkpoint`` not ``None``); ``call`` is quoted in the message."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"{call}: recompute must be one of {', '.join(map(repr, RECOMPUTE))}")
+    if recompute != "all" and checkpoint is None:
+        raise ValueError(
+            f"{call}: recompute applies to the blocks checkpoint= selects; pass checkpoint='auto' (or a selector) "
+            "with it"
+        )
 
 
 def select_blocks(
@@ -399,6 +409,10 @@ CHECKPOINT_DOCS = """\
             classes. Wrappers (the planner's too) are removed at the end of the fit (``teardown``, or
             ``on_exception``), so the module's ``forward`` is afterwards what it was; ``state_dict`` keys never
             change.
+        recompute: what backward reruns of the blocks ``checkpoint`` selects: ``"all"`` (their whole forward; only
+            their inputs are saved) or ``"elementwise"`` (their matrix products and attention are kept on the device,
+            everything else recomputed: more memory kept than ``"all"``, far less recompute; see
+            :func:`~lightning_offload.apply_checkpointing`). Needs ``checkpoint``.
 """
 
 
@@ -408,11 +422,13 @@ class RunCheckpointing:
     Args:
         blocks: as for :func:`apply_checkpointing`.
         call: the call to quote in error messages.
+        recompute: as for :func:`apply_checkpointing`.
     """
 
-    def __init__(self, blocks: BlockSelector | Sequence[BlockSelector], call: str) -> None:
+    def __init__(self, blocks: BlockSelector | Sequence[BlockSelector], call: str, recompute: str = "all") -> None:
         parse_blocks(blocks, call)
-        self.blocks, self.call = blocks, call
+        check_recompute(recompute, call)
+        self.blocks, self.call, self.recompute = blocks, call, recompute
         self.applied: list[str] = []  # wrappers added by this run (the model's own stay when the run ends)
 
     def check(self, model: nn.Module) -> None:
@@ -421,7 +437,8 @@ class RunCheckpointing:
 
     def apply(self, model: nn.Module) -> None:
         already = set(checkpointed_modules(model))
-        self.applied = [name for name in apply_checkpointing(model, self.blocks) if name not in already]
+        applied = apply_checkpointing(model, self.blocks, recompute=self.recompute)
+        self.applied = [name for name in applied if name not in already]
 
     def remove(self, model: nn.Module) -> None:
         if self.applied:

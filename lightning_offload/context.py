@@ -26,6 +26,7 @@ def offload_activations(
     plan_trials: bool = True,
     model: torch.nn.Module | None = None,
     checkpoint: Any = None,
+    recompute: str = "all",
     local_processes: int | None = None,
 ) -> OffloadEngine:
     """Offload the activations autograd saves inside the ``with`` block to host memory.
@@ -50,6 +51,9 @@ def offload_activations(
             and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a module
             name, or a list of those. ``None``: no checkpointing. Applied once, here; a manual override that switches
             the memory-budget planner off.
+        recompute: what backward reruns of those blocks: ``"all"`` (their whole forward) or ``"elementwise"`` (their
+            matrix products and attention are kept on the device, the rest recomputed; see
+            :func:`~lightning_offload.apply_checkpointing`). Needs ``checkpoint``.
         local_processes: processes on this machine sharing its RAM (each has its own pool); the default
             ``host_memory_limit`` is split between them. ``None``: ``LOCAL_WORLD_SIZE``, else 1.
 
@@ -58,16 +62,18 @@ def offload_activations(
     """
     values = dict(locals())
     model, checkpoint, local_processes = values.pop("model"), values.pop("checkpoint"), values.pop("local_processes")
+    recompute = values.pop("recompute")
     options = OffloadOptions.create("offload_activations", **values)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
     if local_processes is not None and (isinstance(local_processes, bool) or not isinstance(local_processes, int)):
         raise TypeError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
+    from lightning_offload.checkpointing import apply_checkpointing, check_recompute
+
+    check_recompute(recompute, f"offload_activations(recompute={recompute!r})", checkpoint)
     if checkpoint is not None:
         if model is None:
             raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
-        from lightning_offload.checkpointing import apply_checkpointing
-
-        apply_checkpointing(model, checkpoint)
+        apply_checkpointing(model, checkpoint, recompute=recompute)
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes)

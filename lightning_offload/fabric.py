@@ -43,9 +43,9 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         model: the model (as ``fabric.setup`` returned it, or the plain module): its parameters and buffers are
             never offloaded, and ``checkpoint=`` applies to its blocks.
         **options: the options of :func:`lightning_offload.offload_activations` (``mode``, ``max_offload_bytes``,
-            ``checkpoint``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA; on any other
-            device pass ``compute_device="cpu"`` (which runs the engine on CPU tensors, for tests) or do not
-            offload. ``host_memory_limit=None`` splits 80% of the available RAM between the processes Fabric
+            ``checkpoint``, ``recompute``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA; on
+            any other device pass ``compute_device="cpu"`` (which runs the engine on CPU tensors, for tests) or do
+            not offload. ``host_memory_limit=None`` splits 80% of the available RAM between the processes Fabric
             runs on this machine.
 
     Returns:
@@ -70,15 +70,17 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
                 "device."
             )
         options["compute_device"] = device
-    checkpoint = options.pop("checkpoint", None)
+    from lightning_offload.checkpointing import apply_checkpointing, check_recompute
+
+    checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
+    check_recompute(recompute, f"fabric_offload(recompute={recompute!r})", checkpoint)
     engine = offload_activations(**options, model=model, local_processes=local_processes(fabric))
     if checkpoint is not None:
         if model is None:
             raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
-        from lightning_offload.checkpointing import apply_checkpointing
-
         # ``fabric.setup`` wraps the module (and DDP inside the wrapper); the blocks belong to the original.
-        apply_checkpointing(getattr(model, "module", model) if _is_fabric_wrapper(model) else model, checkpoint)
+        module = getattr(model, "module", model) if _is_fabric_wrapper(model) else model
+        apply_checkpointing(module, checkpoint, recompute=recompute)
     return engine
 
 

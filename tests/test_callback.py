@@ -417,6 +417,50 @@ def test_checkpoint_auto_offloads_only_block_inputs(tmp_path: Path) -> None:
     assert_clean(callback)
 
 
+class RecomputeSpy(pl.Callback):
+    """Notes, at every batch, what backward reruns of each block ``checkpoint=`` wrapped."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.seen.append([block.__dict__["forward"].recompute for block in pl_module.net.blocks])
+
+
+def test_checkpoint_with_elementwise_recompute_trains_as_plain_and_offloads_only_block_inputs(tmp_path: Path) -> None:
+    """``recompute="elementwise"``: each block keeps its 128-deep product on the device and recomputes the rest;
+    the engine sees (and offloads) the block inputs only, as with whole-block checkpointing, and training is the
+    plain one. The wrappers are gone after the fit."""
+    callback = offload_callback(checkpoint="auto", recompute="elementwise")
+    spy = RecomputeSpy()
+    module = LitNet(BlockStack, callback)
+    plain = LitNet(BlockStack, None)
+    plain.load_state_dict(module.state_dict())
+    fit(tmp_path / "plain", plain, batches(2))
+    fit(tmp_path / "offloaded", module, batches(2), [callback, spy])
+    assert_same_training(module, plain)
+    assert spy.seen == [["elementwise"] * 3] * 2
+    expected = len(module.net.blocks) * BATCH * WIDTH * 4
+    assert [nbytes for _, nbytes in module.forward_log] == [expected, expected]
+    assert all("forward" not in block.__dict__ for block in module.net.blocks)
+    assert_clean(callback)
+
+
+def test_recompute_needs_checkpoint_and_one_of_its_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"ActivationOffloadCallback\(checkpoint=None, recompute='elementwise'\): "
+        r"recompute applies to the blocks checkpoint= selects; pass checkpoint='auto'",
+    ):
+        ActivationOffloadCallback(recompute="elementwise")
+    with pytest.raises(
+        ValueError,
+        match=r"ActivationOffloadCallback\(checkpoint='auto', recompute='some'\): "
+        r"recompute must be one of 'all', 'elementwise'",
+    ):
+        ActivationOffloadCallback(checkpoint="auto", recompute="some")
+
+
 class ConfigureModelLit(LitNet):
     """Builds its network in ``configure_model``, Lightning's hook for large and sharded models.
 

@@ -55,6 +55,7 @@ NON_DEFAULT: dict[str, tuple[str, Any]] = {
     "measure_copies": ("true", True),
     "plan_trials": ("false", False),
     "checkpoint": ("auto", "auto"),
+    "recompute": ("elementwise", "elementwise"),
     "progress_bar": ("true", True),
     "memory_picture": ("true", True),
     "memory_picture_compare": ("false", False),
@@ -68,6 +69,7 @@ def held(callback: ActivationOffloadCallback) -> dict[str, Any]:
     values: dict[str, Any] = {f.name: getattr(callback.options, f.name) for f in fields(OffloadOptions)}
     values.update(
         checkpoint=callback.checkpoint,
+        recompute=callback.recompute,
         progress_bar=callback.progress_bar,
         memory_picture=picture is not None,
         memory_picture_compare=None if picture is None else picture.compare,

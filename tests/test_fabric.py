@@ -127,6 +127,15 @@ def test_checkpoint_applies_to_the_module_fabric_wrapped(tmp_path: Path) -> None
         assert torch.equal(got.grad, want.grad), name
 
 
+def test_fabric_recompute_applies_to_the_checkpointed_blocks_and_needs_checkpoint() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    with pytest.raises(ValueError, match=r"fabric_offload\(recompute='elementwise'\): recompute applies to"):
+        fabric_offload(fabric, module, recompute="elementwise", compute_device="cpu")
+    fabric_offload(fabric, module, checkpoint="auto", recompute="elementwise", compute_device="cpu")
+    assert [layer.__dict__["forward"].recompute for layer in module] == ["elementwise", "elementwise"]
+
+
 def test_cpu_fabric_without_compute_device_is_refused() -> None:
     fabric = Fabric(accelerator="cpu", devices=1)
     with pytest.raises(ValueError, match=r"fabric_offload\(fabric\): Fabric runs on 'cpu', not CUDA.*compute_device"):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadOptions, offload_activations
+from lightning_offload.checkpointing import checkpointed_modules, remove_checkpointing
 from lightning_offload.options import MODES, ON_HOST_FULL
 from tests.models import top_hooks
 
@@ -102,6 +103,21 @@ def test_checkpoint_needs_a_model_and_changes_nothing_without_it() -> None:
     """``checkpoint=`` without ``model=`` raises ValueError naming checkpoint, before anything is applied."""
     with pytest.raises(ValueError, match=r"checkpoint='auto'.*model="):
         offload_activations(checkpoint="auto")
+
+
+def test_recompute_applies_elementwise_and_is_refused_without_checkpoint_or_with_another_value() -> None:
+    """``recompute=`` names the argument when refused, and nothing is wrapped then; given with ``checkpoint=``, the
+    blocks run with it."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"offload_activations\(recompute='elementwise'\): recompute applies to"):
+        offload_activations(model=model, recompute="elementwise")
+    with pytest.raises(ValueError, match=r"offload_activations\(recompute='none'\): recompute must be one of"):
+        offload_activations(model=model, checkpoint="Linear", recompute="none")
+    assert checkpointed_modules(model) == []
+    engine = offload_activations(compute_device="cpu", model=model, checkpoint="Linear", recompute="elementwise")
+    assert [model[i].__dict__["forward"].recompute for i in range(2)] == ["elementwise", "elementwise"]
+    engine.close()
+    remove_checkpointing(model)
 
 
 def test_valid_options_round_trip() -> None:
