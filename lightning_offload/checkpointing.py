@@ -36,6 +36,7 @@ __all__ = [
     "check_recompute",
     "checkpointed_modules",
     "find_repeated_blocks",
+    "is_checkpointed",
     "parse_blocks",
     "remove_checkpointing",
     "select_blocks",
@@ -312,6 +313,11 @@ def remove_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -
                 module.__dict__["forward"] = wrapper.original
             restored.append(name)
     return restored
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`apply_checkpointing` wrapped ``module`` (by anyone)."""
+    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:

@@ -13,6 +13,7 @@ Torch only: no Lightning import.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.checkpointing import apply_checkpointing, find_repeated_blocks, remove_checkpointing
+from lightning_offload.checkpointing import (
+    apply_checkpointing,
+    find_repeated_blocks,
+    is_checkpointed,
+    remove_checkpointing,
+)
 from lightning_offload.policy import backward_running
 from lightning_offload.recompute_policy import KeptBytes
+
+_log = logging.getLogger("lightning_offload")
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,25 @@ class PlannedBlocks:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def leave_to_the_user(self) -> bool:
+        """Where the user checkpoints the blocks already (``apply_checkpointing``, or Hugging Face's
+        ``gradient_checkpointing_enable``), leave them to the user: take off this object's own wrappers and manage no
+        block from now on (plans then only offload). Whether it did."""
+        if self._model is not None and _checkpoints_itself(self._model):
+            theirs = [name for name, _ in self.blocks]
+        else:
+            theirs = [name for name, block in self.blocks if name not in self._wrapped and is_checkpointed(block)]
+        if not theirs:
+            return False
+        self.remove()
+        self.blocks, self.parts = [], []
+        _log.info(
+            "memory_budget: %s already checkpointed by the model or the user; the planner leaves them as they are and "
+            "only offloads",
+            theirs[0] if len(theirs) == 1 else f"{len(theirs)} blocks ({theirs[0]}, ...)",
+        )
+        return True
+
     @property
     def splittable(self) -> bool:
         """Whether every block has at least two parts to checkpoint apart (a block of one part gains nothing)."""
@@ -109,7 +136,7 @@ class PlannedBlocks:
     def _checkpoint(self, wanted: list[str], split: bool, light: list[str] | None = None) -> None:
         model = self._model
         light = light or []
-        if model is None or not self.blocks:
+        if model is None or not self.blocks or self.leave_to_the_user():
             return
         split = split and self.splittable and bool(wanted)
         if wanted == self.checkpointed and split == self.split and light == self.light:
@@ -148,8 +175,10 @@ class PlannedBlocks:
 
     def watch(self, position: Callable[[], int]) -> None:
         """Note, for the next forward, the saved-bytes ``position`` around every block (and time them), and around the
-        parts of the second block."""
+        parts of the second block. Blocks the user checkpoints are left to the user first (:meth:`leave_to_the_user`):
+        a module may switch its own checkpointing on after the planner was made (in ``configure_model``, say)."""
         self.unwatch()
+        self.leave_to_the_user()
         marks, times, clock, part_marks = self._marks, self._times, self._clock, self._part_marks
         marks.clear()
         times.clear()
@@ -279,6 +308,12 @@ def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
     in_parts = sum(p.numel() for _, part in parts for p in part.parameters())
     return parts if 2 * in_parts >= sum(p.numel() for p in block.parameters()) else []
+
+
+def _checkpoints_itself(model: nn.Module) -> bool:
+    """Whether the model runs its own checkpointing in training: Hugging Face's ``gradient_checkpointing_enable()``
+    sets ``gradient_checkpointing`` on the model or on its layers, depending on the version."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _blocks_of(model: nn.Module | None) -> list[tuple[str, nn.Module]]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_offload import offload_activations
-from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.planned_blocks import PlannedBlocks
 from tests.models import Mix, tiny_llama_config
 
@@ -361,3 +361,32 @@ def test_a_block_that_writes_into_a_product_in_place_measures_no_kept_bytes() ->
     blocks.unwatch()
     assert blocks.sizes().kept_bytes == 0
     blocks.remove()
+
+
+def test_blocks_the_user_checkpoints_are_left_to_the_user() -> None:
+    """Blocks already checkpointed (by ``apply_checkpointing``, here one of them with elementwise recompute) are the
+    user's: the planner manages no block then, and never switches or removes the user's wrappers."""
+    model = Stack()
+    apply_checkpointing(model, "blocks.2", recompute="elementwise")
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(3)
+    assert len(blocks) == 0 and blocks.checkpointed == []
+    assert checkpointed_modules(model) == ["blocks.2"]
+    assert model.blocks[2].__dict__["forward"].recompute == "elementwise"
+    blocks.remove()
+    assert checkpointed_modules(model) == ["blocks.2"]
+
+
+def test_a_model_that_checkpoints_itself_is_left_to_it_even_when_it_starts_later() -> None:
+    """Hugging Face's ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing`` on the model (or its
+    layers); switched on after the planner checkpointed blocks, the planner takes its own wrappers off at its next
+    measuring step."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_last(2)
+    assert checkpointed_modules(model) == ["blocks.2", "blocks.3"]
+    model.gradient_checkpointing = True
+    blocks.watch(lambda: 0)
+    blocks.unwatch()
+    assert len(blocks) == 0 and checkpointed_modules(model) == []
+    model.gradient_checkpointing = False
