@@ -74,6 +74,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
 
     checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
     check_recompute(recompute, f"fabric_offload(recompute={recompute!r})", checkpoint)
+    if checkpoint is not None:
+        options["memory_budget"] = None  # checkpointing by hand: the user decides, as with offload_activations
     engine = offload_activations(**options, model=model, local_processes=local_processes(fabric))
     if checkpoint is not None:
         if model is None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_offload import ActivationOffloadCallback
+from lightning_offload import ActivationOffloadCallback, offload_activations
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.fabric import fabric_offload
 from lightning_offload.options import GiB
@@ -156,3 +156,10 @@ def test_callback_through_fabric_call_raises_and_names_the_fabric_helper() -> No
     model = fabric.setup_module(nn.Linear(4, 4))
     with pytest.raises(RuntimeError, match=r"on_train_batch_start\(trainer=Fabric\).*fabric_offload\(fabric, model\)"):
         fabric.call("on_train_batch_start", fabric, model, torch.zeros(2, 4), 0)
+
+
+def test_checkpoint_by_hand_switches_the_planner_off_as_in_offload_activations() -> None:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    assert fabric_offload(fabric, module, checkpoint="auto", compute_device="cpu").options.memory_budget is None
+    assert offload_activations(model=module, checkpoint="auto", compute_device="cpu").options.memory_budget is None
