@@ -442,9 +442,12 @@ class RunCheckpointing:
         select_blocks(model, self.blocks, call=self.call)
 
     def apply(self, model: nn.Module) -> None:
+        # Modules the model wraps already are its own: left exactly as they are (their recompute too), so the run
+        # ends with the model as it found it.
         already = set(checkpointed_modules(model))
-        applied = apply_checkpointing(model, self.blocks, recompute=self.recompute)
-        self.applied = [name for name in applied if name not in already]
+        self.applied = [name for name in select_blocks(model, self.blocks, call=self.call) if name not in already]
+        if self.applied:
+            apply_checkpointing(model, self.applied, recompute=self.recompute)
 
     def remove(self, model: nn.Module) -> None:
         if self.applied:

@@ -577,7 +577,8 @@ def test_checkpoint_wrappers_removed_after_fit(tmp_path: Path, fails: bool) -> N
     before the fit stay."""
     callback = offload_callback(checkpoint="auto")
     module = (FailingStackLit if fails else LitNet)(BlockStack, callback)
-    apply_checkpointing(module, "net.blocks.0")  # the user's own: not the callback's to remove
+    # The user's own, with elementwise recompute: not the callback's to remove, nor to switch to its recompute.
+    apply_checkpointing(module, "net.blocks.0", recompute="elementwise")
     module.train()
     x = batches(1)[0]
     keys = list(module.state_dict())
@@ -590,6 +591,7 @@ def test_checkpoint_wrappers_removed_after_fit(tmp_path: Path, fails: bool) -> N
     # Checkpointing ran during the fit: only the three block inputs were offloaded.
     assert module.forward_log[0] == (True, len(module.net.blocks) * BATCH * WIDTH * 4)
     assert checkpointed_modules(module) == ["net.blocks.0"]
+    assert module.net.blocks[0].__dict__["forward"].recompute == "elementwise"
     assert all("forward" not in block.__dict__ for block in module.net.blocks[1:])
     assert list(module.state_dict()) == keys
     module.train()
