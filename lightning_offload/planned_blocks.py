@@ -136,10 +136,11 @@ class PlannedBlocks:
     def _checkpoint(self, wanted: list[str], split: bool, light: list[str] | None = None) -> None:
         model = self._model
         light = light or []
-        if model is None or not self.blocks or self.leave_to_the_user():
+        if model is None or not self.blocks:
             return
         split = split and self.splittable and bool(wanted)
-        if wanted == self.checkpointed and split == self.split and light == self.light:
+        # Checked only where something would change (every planned step asks): before wrapping a block the user wraps.
+        if (wanted == self.checkpointed and split == self.split and light == self.light) or self.leave_to_the_user():
             return
         parts = dict(zip((name for name, _ in self.blocks), self.parts, strict=True))
         modules = [part for name in wanted for part, _ in parts[name]] if split else wanted

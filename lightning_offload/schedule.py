@@ -543,11 +543,10 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
     if whole:
         chosen.update(_family_trials(whole))
     light = [p for p in within if p.light_blocks]
-    if light:
-        for plan in (light, [p for p in light if not p.offload_bytes]):
-            if plan:
-                cheapest = min(plan, key=lambda p: (p.extra_ms, p.peak))
-                chosen.setdefault(_shape(cheapest), cheapest)
+    for family in (light, [p for p in light if not p.offload_bytes]):
+        if family:
+            cheapest = min(family, key=lambda p: (p.extra_ms, p.peak))
+            chosen.setdefault(_shape(cheapest), cheapest)
     return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split, p.light_blocks))
 
 
