@@ -609,15 +609,18 @@ def _cells(row: dict[str, Any]) -> list[str]:
             phases = [row.get(k) for k in ("fwd_s", "bwd_s", "opt_s")]
             cells.append("/".join(_fmt(p, ".3f") for p in phases) if all(p is not None for p in phases) else "-")
         elif spec == "plan":
-            cells.append(_plan_cell(row.get("plan"), row.get("plan_trials")))
+            cells.append(_plan_cell(row.get("plan"), row.get("plan_trials"), row.get("unsettled_timed_steps")))
         else:
             cells.append(_fmt(row.get(key), spec))
     return cells
 
 
-def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = None) -> str:
-    """The memory-budget plan a row ran last, with the peak it predicted, and the plans timed against each other
-    with the mean of their timed steps (``-``: no planner)."""
+def _plan_cell(
+    plan: dict[str, Any] | None, trials: list[list[float]] | None = None, unsettled: int | None = None
+) -> str:
+    """The memory-budget plan a row ran last, with the peak it predicted, the plans timed against each other with
+    the mean of their timed steps, and how many of the row's timed steps ran another plan or a trial (the row's time
+    is then not the plan's alone; ``-``: no planner)."""
     if not plan:
         return "-"
     offload = plan["offload_bytes"] / (1 << 30)
@@ -631,6 +634,8 @@ def _plan_cell(plan: dict[str, Any] | None, trials: list[list[float]] | None = N
             for t in trials
         )
         cell += f" (timed {timed})"
+    if unsettled:
+        cell += f"; **{unsettled} timed step(s) ran another plan or a trial**"
     return cell
 
 

@@ -44,6 +44,7 @@ from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 
 GiB = 1 << 30
+GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after the model is built
 _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -68,8 +69,10 @@ NO_BUDGET_API = "not measured: memory_budget not available"
 PLANNER_WARMUP = 3
 # Planner rows keep warming up (up to this many steps) while their plan changes, is being timed against others or they
 # pin new host buffers: what a long run sees is the settled plan, and one step that pins 15 GiB takes seconds. Two
-# measuring steps and up to four plans under trial for four steps each come first.
-PLANNER_MAX_WARMUP = 20
+# measuring steps and up to six plans under trial for four or five steps each come first. (At 20, the rows of
+# Llama-8B LoRA timed the last trials, of slower plans, in their first two or three timed steps: on an H200, the 70 GiB
+# row read 1162, 1163, 1148 and 1100 ms, its settled plan 1100.) A row that still times unsettled steps says how many.
+PLANNER_MAX_WARMUP = 40
 
 
 def budget_bytes(mode: Mode, rows: dict[str, dict[str, Any]]) -> tuple[float | None, str]:
@@ -139,6 +142,13 @@ def _unsettled(ran: list[tuple[Any, int, bool]]) -> bool:
     return len(ran) >= 2 and (ran[-1][1] > 0 or ran[-1][0] != ran[-2][0] or ran[-1][2])
 
 
+def _what_runs(plan: Any) -> tuple[Any, ...] | None:
+    """What a plan does to a step (a re-planned step may change only its estimates)."""
+    if plan is None:
+        return None
+    return (plan.checkpoint_blocks, plan.split, plan.light_blocks, plan.offload_bytes)
+
+
 class _Clock:
     """Phase boundaries of one step: CUDA events on a GPU, ``perf_counter`` on the CPU."""
 
@@ -162,6 +172,33 @@ class _Clock:
             return tuple(ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(3))  # type: ignore[return-value]
         t = self.times
         return (t[1] - t[0], t[2] - t[1], t[3] - t[2])
+
+
+class _CollectorClock:
+    """Python's garbage collections while it is open: how many of each generation and the milliseconds they took.
+    Elementwise recompute leaves cyclic garbage in every step (torch's pytree, called by its selective
+    checkpointing), and a full collection walks every object the process tracks (a model, Lightning, the
+    libraries): a candidate for rows that run slower than the planner's own trials of their plan."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def __enter__(self) -> _CollectorClock:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.collections[generation] += 1
+        self.ms[generation] += (time.perf_counter() - self._started) * 1e3
 
 
 def allocator_segments() -> str | None:
@@ -477,6 +514,7 @@ class Runner:
             warmup = max(warmup, PLANNER_WARMUP)
         # Per step of a planning row: the plan it ran, the host buffers it pinned, whether the plan was under trial.
         ran: list[tuple[Any, int, bool]] = []
+        collections: list[tuple[list[int], list[float]]] = []  # per timed step: per generation, count and ms
         index = 0
         while index < warmup + steps:
             if index == warmup and plans and warmup < PLANNER_MAX_WARMUP and _unsettled(ran):
@@ -489,19 +527,20 @@ class Runner:
             clock = _Clock(self.device)
             _sync(self.device)
             start = time.perf_counter()
-            clock.mark()
-            with step_context():
-                loss = self.bench.loss(self.ids)
-            clock.mark()
-            loss.backward()
-            del loss
-            clock.mark()
-            if index == 0:
-                row["grad_rel_diff"] = self._compare_grads(mode)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            clock.mark()
-            _sync(self.device)
+            with _CollectorClock() as collector:
+                clock.mark()
+                with step_context():
+                    loss = self.bench.loss(self.ids)
+                clock.mark()
+                loss.backward()
+                del loss
+                clock.mark()
+                if index == 0:
+                    row["grad_rel_diff"] = self._compare_grads(mode)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                clock.mark()
+                _sync(self.device)
             elapsed = time.perf_counter() - start
             if plans:
                 plan = getattr(engine.planner, "plan", None)
@@ -511,6 +550,7 @@ class Runner:
             if timed:
                 times.append(elapsed)
                 phases.append(clock.phases())
+                collections.append((collector.collections, collector.ms))
                 if engine is not None:
                     stats = engine.stats
                     values = stats.as_dict()
@@ -518,12 +558,19 @@ class Runner:
                     values["h2d_gbps"] = stats.h2d_gbps()
                     engine_rows.append(values)
         row["warmup"], row["steps"] = warmup, steps
+        if plans:
+            # Timed steps that ran a trial or a plan other than the last one (0 where the warm-up covered them).
+            settled = _what_runs(ran[-1][0])
+            unsettled = [trying or _what_runs(plan) != settled for plan, _, trying in ran[warmup:]]
+            row["unsettled_timed_steps"] = sum(unsettled)
         row["step_s"] = statistics.median(times)
         row["step_times_s"] = times
         row["fwd_s"] = statistics.median(p[0] for p in phases)
         row["bwd_s"] = statistics.median(p[1] for p in phases)
         row["opt_s"] = statistics.median(p[2] for p in phases)
         row["tokens_per_s"] = self.workload.tokens / row["step_s"]
+        row["gc_collections"] = [c for c, _ in collections]  # per timed step, generations 0, 1, 2
+        row["gc_ms"] = [round(sum(ms), 3) for _, ms in collections]  # per timed step, all generations
         if self.cuda:
             row["peak_alloc_gib"] = torch.cuda.max_memory_allocated(self.device) / GiB
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
@@ -604,6 +651,12 @@ def run_workload(
     _write(out, result)
     runner = Runner(workload, steps, warmup, tiny_run, anchor_steps, anchor_warmup)
     result["env"]["lora_impl"] = runner.bench.lora
+    if os.environ.get(GC_FREEZE_VARIABLE) == "1":
+        # An experiment, not a default: every object alive now (model, libraries) leaves the collector's view, so a
+        # full collection walks only what the steps create.
+        gc.collect()
+        gc.freeze()
+    result["env"]["gc_frozen"] = gc.get_freeze_count()
     result["setup_s"] = time.perf_counter() - started
     pool_released = False
     for name in modes:

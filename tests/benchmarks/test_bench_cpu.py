@@ -551,6 +551,16 @@ def test_markdown_shows_the_plan_and_the_allocators_flushes_of_a_budget_row() ->
     assert "| 0.5 | 69.6 | 8 ckpt + 15.77 GiB, pred 66.09 |" in budget_line
     none_line = next(line for line in text.splitlines() if line.startswith("| none |"))
     assert "| - | - | - |" in none_line  # no flushes recorded, no budget, no plan
+    assert "timed step(s) ran another plan" not in text
+
+
+def test_markdown_flags_a_budget_row_whose_timed_steps_ran_trials() -> None:
+    """A row whose timed steps still ran the planner's trials (or another plan) times more than its plan: it says so."""
+    plan = {"offload_bytes": 0, "checkpoint_blocks": 0, "peak": 70 << 30, "light_blocks": 23}
+    rows = [_row("none", 1.0, 99.4), {**_row("ours-budget-0.7x", 1.18, 66.1), "plan": plan, "unsettled_timed_steps": 3}]
+    text = report.markdown([_result("llama8b-lora-s8k", rows)], "unit")
+    budget_line = next(line for line in text.splitlines() if line.startswith("| ours-budget-0.7x |"))
+    assert "23 ew + 0 ckpt + 0.00 GiB, pred 70.00; **3 timed step(s) ran another plan or a trial**" in budget_line
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
@@ -567,3 +577,19 @@ def test_rows_that_plan_warm_up_past_the_planners_measuring_steps(tmp_path: Path
     result = run_workload("small-h512", ["none", "streamed", "ours-default"], 1, 1, True, tmp_path / "w.json")
     warmups = {row["mode"]: row["warmup"] for row in result["rows"]}
     assert warmups == {"none": 1, "streamed": 1, "ours-default": PLANNER_WARMUP}
+    unsettled = {row["mode"]: row.get("unsettled_timed_steps") for row in result["rows"]}
+    assert unsettled == {"none": None, "streamed": None, "ours-default": 0}
+
+
+def test_collector_clock_counts_the_collections_of_each_generation_while_open() -> None:
+    """Rows report Python's garbage collections per timed step: the clock counts those made while it is open."""
+    import gc
+
+    from benchmarks.worker import _CollectorClock
+
+    with _CollectorClock() as clock:
+        gc.collect(2)
+        gc.collect(0)
+    gc.collect(2)  # after it closed: not counted
+    assert clock.collections[2] == 1 and clock.collections[0] >= 1  # (the interpreter may collect on its own too)
+    assert clock.ms[2] > 0 and all(ms >= 0 for ms in clock.ms)
