@@ -158,7 +158,7 @@ class BudgetPlanner:
         self._reserved_at_start = 0  # the allocator's reserved bytes as the step began
         self._full_block: BlockSizes | None = None  # a measuring step's blocks, one run in full, since the last replan
         self._reserved_gap = 0  # what the latest measuring step's allocator, pressed, reserved past its peak allocated
-        self._retries_at_start = 0  # the allocator's cache flushes (alloc_retries) as the measuring step began
+        self._retries_at_start = 0  # the allocator's cache flushes (alloc_retries) as the step began
         self._frugal = False  # the current measuring step offloads from its first saved tensor
         # The latest measuring step's base, peak, peak as its backward ended (see _measure_by_parts), and whether it
         # offloaded from its first saved tensor (see _warn_frugal_step).
@@ -265,6 +265,7 @@ class BudgetPlanner:
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
         self._reserved_at_start = self._counter("reserved")
+        self._retries_at_start = self._counter("alloc_retries")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
@@ -338,7 +339,8 @@ class BudgetPlanner:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
-            timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps)
+            flushed = self._counter("alloc_retries") > self._retries_at_start
+            timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed
             # block rebuilt in backward, copies in flight and fetched ahead), so a step that peaked where predicted

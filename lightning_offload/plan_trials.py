@@ -26,6 +26,12 @@ _TRIAL_MAX_STEPS = 5
 # Trials begun per profile: a correction towards memory that leaves no timed plan fitting times those that fit (at
 # most this many times in all; then the model's cheapest plan runs).
 _TRIAL_ROUNDS = 3
+# Where the fastest plan's timed steps made the allocator flush its cache (a hard cap, or the device, was full) in at
+# least half of them, one more plan is timed: the model's cheapest of the same family predicted to peak at least this
+# share lower. (On an H200, Llama-1B's plan of 6 checkpointed blocks under a 28.9 GiB cap ran 209 ms a step with one
+# flush each step, 188 ms in another run without; plans a block apart are priced within the trials' band of each
+# other, so the next one down was not among those timed.)
+FLUSH_STEP_DOWN = 0.025
 
 
 class PlanTrials:
@@ -47,9 +53,11 @@ class PlanTrials:
         """Forget every timing: a new profile (a new input shape) compares its own plans."""
         self.trying = False
         self.done = not self.enabled
-        self._runs: dict[tuple[int, bool, int], int] = {}  # plans under trial (``_key``): steps run
-        self._ms: dict[tuple[int, bool, int], list[float]] = {}  # ... and the device time of the steps that count
+        self._runs: dict[tuple[int, bool, int, int], int] = {}  # plans under trial (``_key``): steps run
+        self._ms: dict[tuple[int, bool, int, int], list[float]] = {}  # ... the device time of the steps that count
+        self._flushed: dict[tuple[int, bool, int, int], int] = {}  # ... and how many of those flushed the cache
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
+        self._stepped_down = False  # a plan below a flushing fastest one was added to this round
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
 
     @property
@@ -62,15 +70,17 @@ class PlanTrials:
         recomputing their elementwise operations."""
         return [(k, nbytes, sum(ms) / len(ms), light) for (k, _, nbytes, light), ms in self._ms.items() if ms]
 
-    def count(self, plan: Plan, step_ms: float, pinned: bool) -> bool:
+    def count(self, plan: Plan, step_ms: float, pinned: bool, flushed: bool = False) -> bool:
         """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
-        says nothing of the plan's pace). Whether the plan's trial is now over (``False`` when none runs)."""
+        says nothing of the plan's pace; ``flushed``: the allocator flushed its cache in it). Whether the plan's trial
+        is now over (``False`` when none runs)."""
         if not self.trying:
             return False
         key = _key(plan)
         runs = self._runs[key] = self._runs.get(key, 0) + 1
         if runs > 1 and step_ms > 0 and not pinned:
             self._ms.setdefault(key, []).append(step_ms)
+            self._flushed[key] = self._flushed.get(key, 0) + flushed
         return self._over(plan)
 
     def choose(self, profile: StepProfile, candidates: Sequence[Plan], memory: bool) -> tuple[Plan | None, str]:
@@ -85,8 +95,15 @@ class PlanTrials:
         if memory or self._compared is None:
             self._rounds += self._compared is None
             self._compared = trial_plans(profile, candidates)
+            self._stepped_down = False
         compared = self._compared
         waiting = [p for p in compared if not self._over(p)]
+        if not waiting and len(compared) > 1 and not self._stepped_down:
+            below = self._below_flushing(compared, candidates)
+            self._stepped_down = True
+            if below is not None:
+                compared.append(below)
+                waiting = [below]
         if len(compared) > 1 and waiting:
             self.trying = True
             return waiting[0], f"timing plan {compared.index(waiting[0]) + 1} of {len(compared)}: "
@@ -102,6 +119,27 @@ class PlanTrials:
         if fastest is None and self._rounds < _TRIAL_ROUNDS:
             self.done, self._compared = False, None
         return fastest
+
+    def _below_flushing(self, compared: list[Plan], candidates: Sequence[Plan]) -> Plan | None:
+        """A plan to time below the fastest of ``compared`` where that one's timed steps flushed the allocator's cache
+        in at least half of them: the model's cheapest of its family (with or without light blocks) that fits,
+        predicted to peak :data:`FLUSH_STEP_DOWN` lower, and not timed yet; ``None``: no such plan or no need."""
+        fastest = self.fastest(compared)
+        if fastest is None:
+            return None
+        key = _key(fastest)
+        if 2 * self._flushed.get(key, 0) < len(self._ms[key]):
+            return None
+        shapes = {_key(p) for p in compared}
+        lower = [
+            p
+            for p in candidates
+            if p.fits
+            and bool(p.light_blocks) == bool(fastest.light_blocks)
+            and p.peak <= (1 - FLUSH_STEP_DOWN) * fastest.peak
+            and _key(p) not in shapes
+        ]
+        return min(lower, key=lambda p: (p.extra_ms, -p.peak)) if lower else None
 
     def fastest(self, plans: Sequence[Plan]) -> Plan | None:
         """The plan of ``plans`` whose timed steps ran fastest on average (``None``: none was timed)."""
@@ -123,7 +161,15 @@ class PlanTrials:
             light = f"{p.light_blocks} elementwise + " if p.light_blocks else ""
             parts = " by parts" if p.split else ""
             what = f"{light}{p.checkpoint_blocks} block(s){parts} + {p.offload_bytes / GiB:.2f} GiB"
-            times.append(f"{what} {self._mean_ms(p):.1f} ms" if self._ms.get(_key(p)) else f"{what} not timed")
+            key = _key(p)
+            if not self._ms.get(key):
+                times.append(f"{what} not timed")
+                continue
+            flushed = self._flushed.get(key, 0)
+            flushes = (
+                f" (the allocator flushed its cache in {flushed} of {len(self._ms[key])} steps)" if flushed else ""
+            )
+            times.append(f"{what} {self._mean_ms(p):.1f} ms{flushes}")
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
 

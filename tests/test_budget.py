@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_offload import OffloadOptions, offload_activations
+from lightning_offload import OffloadOptions, offload_activations, plan_trials
 from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
@@ -662,6 +662,53 @@ def test_trials_time_the_plans_worth_comparing_and_keep_the_fastest(caplog: pyte
     assert chosen is not None and chosen.offload_bytes == 0 and chosen.checkpoint_blocks > 0 and chosen.fits
     assert [s["hooked"] for s in steps[-3:]] == [False, False, False]
     assert f"fastest of {len(compared)} plans timed" in caplog.text
+    assert max(memory.peaks[2:]) <= budget
+    for step in steps:
+        assert_same_grads(step["grads"], reference_grads(x))
+
+
+def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cache(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The allocator's counter of cache flushes rises in every step of the plan that would be kept (a full hard cap):
+    one more plan, predicted to peak lower, is timed after the others, and the faster of the two is kept."""
+    x = torch.randn(BATCH, WIDTH)
+    _, model, _, engine = slow_hooked_engine(x, trials=True)
+    run_steps(engine, model, x, 40)
+    unflushed = engine.planner.plan  # type: ignore[union-attr]
+    assert unflushed is not None and not engine.planner.trying  # type: ignore[union-attr]
+
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
+    steps = run_steps(engine, model, x, 1)  # the engine makes its planner at its first step (a measuring one)
+    planner = engine.planner
+    assert planner is not None
+    flushes = [0]
+    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
+    end_step = planner.end_step
+
+    def flushing_end(*args: Any, **kwargs: Any) -> None:
+        plan = planner.plan
+        if not planner.measuring and plan is not None and plan_trials._key(plan) == plan_trials._key(unflushed):
+            flushes[0] += 1
+        end_step(*args, **kwargs)
+
+    planner.end_step = flushing_end  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        steps += run_steps(engine, model, x, 40)
+    assert not planner.trying
+    timed = {(k, nbytes, light): ms for k, nbytes, ms, light in planner.timed_plans}
+    below = [key for key in timed if key != (unflushed.checkpoint_blocks, unflushed.offload_bytes, 0)]
+    assert "the allocator flushed its cache in 3 of 3 steps" in caplog.text
+    stepped = [
+        p
+        for p in plan_candidates(planner.profile, planner.plan_budget)  # type: ignore[arg-type]
+        if p.peak <= (1 - plan_trials.FLUSH_STEP_DOWN) * unflushed.peak and p.fits and not p.light_blocks
+    ]
+    added = min(stepped, key=lambda p: (p.extra_ms, -p.peak))
+    assert (added.checkpoint_blocks, added.offload_bytes, 0) in below
+    kept = planner.plan
+    assert kept is not None
+    assert timed[(kept.checkpoint_blocks, kept.offload_bytes, 0)] == min(timed.values())
     assert max(memory.peaks[2:]) <= budget
     for step in steps:
         assert_same_grads(step["grads"], reference_grads(x))

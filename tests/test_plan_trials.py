@@ -22,18 +22,24 @@ STEP_MS = {0: 120.0, 3: 110.0, 6: 100.0}  # what each plan's steps take: the one
 
 
 def run_trials(
-    trials: PlanTrials, step_ms: dict[int, float], pinned_steps: set[int] | None = None
+    trials: PlanTrials,
+    step_ms: dict[int, float],
+    pinned_steps: set[int] | None = None,
+    candidates: list[Plan] = CANDIDATES,
+    flushing: set[int] | None = None,
 ) -> tuple[list[Plan], Plan | None, str]:
     """Choose and run plans until the trials are over: the plans each step ran, in order, then the plan kept and the
-    words it was reported with."""
+    words it was reported with. The steps of plans that checkpoint a number of blocks in ``flushing`` flush the
+    allocator's cache."""
     ran = []
-    plan, words = trials.choose(PROFILE, CANDIDATES, memory=False)
+    plan, words = trials.choose(PROFILE, candidates, memory=False)
     while trials.trying:
         assert plan is not None
         ran.append(plan)
         pinned = len(ran) in (pinned_steps or set())
-        if trials.count(plan, step_ms[plan.checkpoint_blocks], pinned):
-            plan, words = trials.choose(PROFILE, CANDIDATES, memory=False)
+        flushed = plan.checkpoint_blocks in (flushing or set())
+        if trials.count(plan, step_ms[plan.checkpoint_blocks], pinned, flushed):
+            plan, words = trials.choose(PROFILE, candidates, memory=False)
     return ran, plan, words
 
 
@@ -86,3 +92,44 @@ def test_after_a_correction_the_fastest_timed_plan_that_fits_or_the_plans_that_f
     assert trials.after_correction(moved) is None and not trials.done
     plan, words = trials.choose(PROFILE, moved, memory=True)
     assert plan == moved[0] and trials.trying and words == "timing plan 1 of 2: "
+
+
+# As CANDIDATES, with peaks that fall as blocks are checkpointed, and one more plan, a block below the cheapest without
+# copies, which the trials leave out (the model prices it above that one).
+STEPPED = [replace(p, peak=p.peak - p.checkpoint_blocks * GiB // 10) for p in CANDIDATES] + [
+    Plan(0, 7, 9 * GiB, 35.0, True)
+]
+
+
+def test_a_fastest_plan_whose_steps_flushed_the_allocators_cache_is_timed_against_the_next_plan_down() -> None:
+    """The plan without copies ran fastest but flushed the allocator's cache in its timed steps (a full hard cap):
+    the model's cheapest plan predicted to peak lower by the step-down is timed too, and kept where faster."""
+    trials = PlanTrials(enabled=True)
+    ran, kept, words = run_trials(trials, {**STEP_MS, 7: 95.0}, candidates=STEPPED, flushing={6})
+    assert [p.checkpoint_blocks for p in ran] == [0] * TRIAL_STEPS + [3] * TRIAL_STEPS + [6, 6, 6, 6, 7, 7, 7, 7]
+    assert kept == STEPPED[4] and trials.done
+    assert "6 block(s) + 0.00 GiB 100.0 ms (the allocator flushed its cache in 3 of 3 steps); " in words
+    assert "7 block(s) + 0.00 GiB 95.0 ms)" in words
+    # Slower below: the flushing plan stays.
+    _, kept, _ = run_trials(PlanTrials(enabled=True), {**STEP_MS, 7: 105.0}, candidates=STEPPED, flushing={6})
+    assert kept == STEPPED[3]
+
+
+def test_no_plan_is_added_where_the_fastest_did_not_flush_or_nothing_peaks_lower() -> None:
+    # Flushes in a slower plan's steps only, and in one of the fastest's three: nothing is added.
+    ran, kept, _ = run_trials(PlanTrials(enabled=True), STEP_MS, candidates=STEPPED, flushing={0, 3})
+    assert [p.checkpoint_blocks for p in ran] == [0] * TRIAL_STEPS + [3] * TRIAL_STEPS + [6] * TRIAL_STEPS
+    assert kept == STEPPED[3]
+    # The fastest flushed, but no plan of its family peaks low enough.
+    ran, kept, _ = run_trials(PlanTrials(enabled=True), STEP_MS, candidates=STEPPED[:4], flushing={6})
+    assert len(ran) == 3 * TRIAL_STEPS and kept == STEPPED[3]
+
+
+def test_a_step_down_is_timed_once_per_round() -> None:
+    """The plan added below flushed as well: no further plan is added (the fastest of the round is kept)."""
+    lower = Plan(0, 8, 8 * GiB, 40.0, True)
+    ran, kept, _ = run_trials(
+        PlanTrials(enabled=True), {**STEP_MS, 7: 95.0, 8: 90.0}, candidates=[*STEPPED, lower], flushing={6, 7}
+    )
+    assert [p.checkpoint_blocks for p in ran][-TRIAL_STEPS:] == [7] * TRIAL_STEPS
+    assert kept == STEPPED[4]
