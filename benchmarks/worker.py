@@ -45,6 +45,8 @@ from lightning_offload.checkpointing import apply_checkpointing, remove_checkpoi
 
 GiB = 1 << 30
 GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after the model is built
+# GiB: a hard cap for the rows without a budget of their own (an experiment: does AC fit under a budget row's cap?)
+BASELINE_CAP_VARIABLE = "BENCH_CAP_GIB"
 _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -394,8 +396,12 @@ class Runner:
             row["knobs"] = {"memory_budget": budget}
         engine = None
         optimizer = None
-        if budget is not None:
-            row["fresh_segments"] = self._fresh_segments(budget)
+        cap = budget
+        if cap is None and os.environ.get(BASELINE_CAP_VARIABLE):
+            cap = float(os.environ[BASELINE_CAP_VARIABLE]) * GiB
+            row["cap_gib"] = cap / GiB
+        if cap is not None:
+            row["fresh_segments"] = self._fresh_segments(cap)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(_free, self.device, host_cache=False)
             cleanup.enter_context(_hooks_restored(self.model))
@@ -411,7 +417,7 @@ class Runner:
             try:
                 optimizer = self._fresh_start(mode)
                 # After the fresh start emptied the cache: the cap bounds everything the row reserves.
-                with memory_cap(self.device, budget):
+                with memory_cap(self.device, cap):
                     self._measure(mode, row, step_context, optimizer, engine)
             except torch.cuda.OutOfMemoryError as err:
                 row["status"] = "OOM"

@@ -593,3 +593,16 @@ def test_collector_clock_counts_the_collections_of_each_generation_while_open() 
     gc.collect(2)  # after it closed: not counted
     assert clock.collections[2] == 1 and clock.collections[0] >= 1  # (the interpreter may collect on its own too)
     assert clock.ms[2] > 0 and all(ms >= 0 for ms in clock.ms)
+
+
+def test_baseline_rows_run_under_the_cap_the_environment_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BENCH_CAP_GIB`` caps the rows without a budget of their own (does AC fit under a budget row's cap?): each
+    such row records the cap it ran under (on the CPU the cap itself is not applied)."""
+    from benchmarks.worker import BASELINE_CAP_VARIABLE
+
+    monkeypatch.setenv(BASELINE_CAP_VARIABLE, "2.5")
+    result = run_workload("small-h512", ["none", "ac"], 1, 1, True, tmp_path / "w.json")
+    assert [row.get("cap_gib") for row in result["rows"]] == [2.5, 2.5]
+    monkeypatch.delenv(BASELINE_CAP_VARIABLE)
+    result = run_workload("small-h512", ["none"], 1, 1, True, tmp_path / "w.json")
+    assert "cap_gib" not in result["rows"][0]
