@@ -20,6 +20,9 @@ METRIC_DOCS = """\
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
         micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
         ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
+        ``offload/alloc_flushes``: how often in the optimizer step an allocation found the device (or the process's
+        memory fraction) full and the caching allocator freed its cached blocks to try again, a slow path that
+        synchronizes the device: a step near its memory limit pays for it.
         ``offload/offloaded_gib``: bytes copied to host memory in the latest batch, in GiB.
         ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
         ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
@@ -63,6 +66,7 @@ class StepReporter:
         self.epoch_metrics: OffloadEpochMetrics | None = None
         self._new_step = True  # the next batch opens a new optimizer step
         self._stepped = False  # an optimizer step ran in this batch
+        self._flushes_at_start = 0  # the allocator's cache flushes as the optimizer step began (CUDA)
 
     def start_fit(self, device: torch.device) -> None:
         """A fit begins on ``device``: fresh epoch summaries, and the next batch opens a new step."""
@@ -78,6 +82,7 @@ class StepReporter:
         """Reset the peak counters when this batch opens an optimizer step (after the engine started its step)."""
         if self.cuda is not None and self._new_step:
             torch.cuda.reset_peak_memory_stats(self.cuda)
+            self._flushes_at_start = alloc_flushes(self.cuda)
         self._new_step = False
 
     def optimizer_stepped(self) -> None:
@@ -109,6 +114,7 @@ class StepReporter:
         if peaks is not None:
             metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
             metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
+            metrics["offload/alloc_flushes"] = float(alloc_flushes(cuda) - self._flushes_at_start)  # type: ignore[arg-type]
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and cuda is not None:
@@ -158,3 +164,9 @@ class StepReporter:
 def peak_device(device: torch.device) -> torch.device | None:
     """The device whose allocator peaks are measured: ``device`` on CUDA; none elsewhere (no such counters)."""
     return device if device.type == "cuda" else None
+
+
+def alloc_flushes(device: torch.device) -> int:
+    """The caching allocator's count of cache flushes on ``device`` so far (``num_alloc_retries``): host-side
+    bookkeeping, no device synchronization."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))

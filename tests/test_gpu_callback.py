@@ -64,6 +64,65 @@ def test_trainer_parameters_equal(tmp_path: Path, precision: str, mode: str) -> 
     assert callback.engine is None  # torn down
     rows = list(csv.DictReader(open(next((tmp_path / "off").rglob("metrics.csv")))))
     keys = set().union(*(row.keys() for row in rows))
-    expected = {"offload/peak_allocated_gib", "offload/peak_reserved_gib", "offload/offloaded_gib"}
+    expected = {
+        "offload/peak_allocated_gib",
+        "offload/peak_reserved_gib",
+        "offload/alloc_flushes",
+        "offload/offloaded_gib",
+    }
     expected |= {"offload/host_pinned_gib"} | ({"offload/stall_ms"} if mode == "streamed" else set())
     assert expected <= keys
+
+
+def _flush_the_allocators_cache(device: torch.device) -> int:
+    """Make the caching allocator free its cache and retry an allocation once; returns how many flushes its counter
+    rose by. Small-pool segments are left cached, then a large allocation is asked for under a memory fraction that
+    only leaves room for it once those are freed: only a flush of the whole cache frees another pool's segments."""
+    before = torch.cuda.memory_stats(device)["num_alloc_retries"]
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(256)]  # 1 MiB each: small pool
+    del small
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (64 << 20)) / total, device)
+    try:
+        large = torch.empty(192 << 20, dtype=torch.uint8, device=device)
+        del large
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return torch.cuda.memory_stats(device)["num_alloc_retries"] - before
+
+
+class FlushingModule(TokenModule):
+    """Its second batch makes the allocator flush its cache (and notes how often it did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes: list[int] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.flushes.append(_flush_the_allocators_cache(self.device) if batch_idx == 1 else 0)
+        return self.net(batch)
+
+
+def test_alloc_flushes_are_the_cache_flushes_of_each_step(tmp_path: Path) -> None:
+    """``offload/alloc_flushes`` is, per optimizer step, how often the allocator flushed its cache in it: the flush the
+    second step forces, nothing in the others."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 4096, (3, 4, 1024))
+    module = FlushingModule()
+    callback = ActivationOffloadCallback(memory_budget=None)
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        callbacks=[callback],
+        logger=pl.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(list(data), batch_size=None))
+    assert module.flushes[1] >= 1, "the test could not make the allocator flush its cache"
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = [float(row["offload/alloc_flushes"]) for row in rows if row.get("offload/alloc_flushes")]
+    assert logged == [float(n) for n in module.flushes]
