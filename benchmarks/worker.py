@@ -594,6 +594,8 @@ class Runner:
             row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
             # The plans timed against each other: blocks checkpointed, GiB offloaded, mean timed step (device ms).
             row["plan_trials"] = [[k, b / GiB, ms, j] for k, b, ms, j in getattr(planner, "timed_plans", [])]
+            # ... and each one's timed steps, in the order the plans ran: blocks, GiB, light blocks, device ms per step.
+            row["plan_trial_steps"] = [[k, b / GiB, j, ms] for k, b, j, ms in getattr(planner, "trial_steps", [])]
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

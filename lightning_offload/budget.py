@@ -181,6 +181,11 @@ class BudgetPlanner:
         return self._trials.timed_plans()
 
     @property
+    def trial_steps(self) -> list[tuple[int, int, int, list[float]]]:
+        """The timed steps of each plan under trial, in the order they ran (:meth:`PlanTrials.timed_steps`)."""
+        return self._trials.timed_steps()
+
+    @property
     def plan_budget(self) -> int:
         """What plans aim for: a little less than the budget (the allocator rounds blocks up, and a hard cap counts
         reserved bytes), or less again where the measuring step reserved far past its peak."""

@@ -70,6 +70,12 @@ class PlanTrials:
         recomputing their elementwise operations."""
         return [(k, nbytes, sum(ms) / len(ms), light) for (k, _, nbytes, light), ms in self._ms.items() if ms]
 
+    def timed_steps(self) -> list[tuple[int, int, int, list[float]]]:
+        """Each timed plan's steps in the order the plans ran: blocks checkpointed, bytes offloaded per forward, blocks
+        recomputing their elementwise operations, and the device milliseconds of every step that counted (to tell a
+        plan's pace from the noise between steps)."""
+        return [(k, nbytes, light, list(ms)) for (k, _, nbytes, light), ms in self._ms.items() if ms]
+
     def count(self, plan: Plan, step_ms: float, pinned: bool, flushed: bool = False) -> bool:
         """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
         says nothing of the plan's pace; ``flushed``: the allocator flushed its cache in it). Whether the plan's trial

@@ -53,6 +53,8 @@ def test_each_plan_runs_a_settling_step_and_three_timed_ones_the_fastest_is_kept
         "6 block(s) + 0.00 GiB 100.0 ms): "
     )
     assert sorted(trials.timed_plans()) == [(0, 4 * GiB, 120.0, 0), (3, 2 * GiB, 110.0, 0), (6, 0, 100.0, 0)]
+    # Each plan's three counted steps, in the order the plans ran.
+    assert trials.timed_steps() == [(0, 4 * GiB, 0, [120.0] * 3), (3, 2 * GiB, 0, [110.0] * 3), (6, 0, 0, [100.0] * 3)]
 
 
 def test_a_settling_step_and_steps_that_pinned_host_memory_are_not_timed() -> None:
