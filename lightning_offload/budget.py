@@ -270,7 +270,8 @@ class BudgetPlanner:
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
         self._reserved_at_start = self._counter("reserved")
-        self._retries_at_start = self._counter("alloc_retries")
+        if self._trials.trying:  # a plan under trial notes whether its steps flush the allocator's cache
+            self._retries_at_start = self._counter("alloc_retries")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
@@ -344,7 +345,8 @@ class BudgetPlanner:
                 self._choose()
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
-            flushed = self._counter("alloc_retries") > self._retries_at_start
+            # (Each read of the allocator's counters costs a copy of all of them: only while plans are under trial.)
+            flushed = self._trials.trying and self._counter("alloc_retries") > self._retries_at_start
             timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed

@@ -102,9 +102,12 @@ class StepReporter:
             # of the epoch summaries, which describe offloading.
             stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
         cuda = self.cuda
-        # Reading the peaks is host-side allocator bookkeeping: no device synchronization.
+        # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one copy of them all.
+        counters = torch.cuda.memory_stats(cuda) if stepped and cuda else None
         peaks = (
-            (torch.cuda.max_memory_allocated(cuda), torch.cuda.max_memory_reserved(cuda)) if stepped and cuda else None
+            (counters.get("allocated_bytes.all.peak", 0), counters.get("reserved_bytes.all.peak", 0))
+            if counters is not None
+            else None
         )
         if self.epoch_metrics is not None and not plain:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))
@@ -114,7 +117,8 @@ class StepReporter:
         if peaks is not None:
             metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
             metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
-            metrics["offload/alloc_flushes"] = float(alloc_flushes(cuda) - self._flushes_at_start)  # type: ignore[arg-type]
+            flushes = counters.get("num_alloc_retries", 0) - self._flushes_at_start  # type: ignore[union-attr]
+            metrics["offload/alloc_flushes"] = float(flushes)
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and cuda is not None:

@@ -935,12 +935,15 @@ def test_mode_off_counts_without_offloading(tmp_path: Path) -> None:
 
 
 class FakeCudaPeaks:
-    """The CUDA allocator's peak counters, faked: a previous fit left a high peak; each step reaches its own."""
+    """The CUDA allocator's peak counters, faked: a previous fit left a high peak and cache flushes; each step reaches
+    its own peak and makes its own flushes (``flushes``, one number per step)."""
 
-    def __init__(self, left_over: int, step_peak: int) -> None:
+    def __init__(self, left_over: int, step_peak: int, flushes: list[int]) -> None:
         self.peak = left_over
         self.step_peak = step_peak
         self.resets = 0
+        self.retries = 7  # flushes before the fit
+        self.flushes = list(flushes)
 
     def reset(self, device: Any = None) -> None:
         self.resets += 1
@@ -949,18 +952,27 @@ class FakeCudaPeaks:
     def read(self, device: Any = None) -> int:
         return self.peak
 
+    def stats(self, device: Any = None) -> dict[str, int]:
+        return {
+            "allocated_bytes.all.peak": self.peak,
+            "reserved_bytes.all.peak": self.peak,
+            "num_alloc_retries": self.retries,
+        }
+
     def step(self) -> None:
         self.peak = max(self.peak, self.step_peak)
+        self.retries += self.flushes.pop(0)
 
 
 def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever ran before the fit (model loading, an earlier fit) left its peak in the allocator's counters; the
-    first batch's peak and the epoch max must describe this fit's steps alone."""
+    """Whatever ran before the fit (model loading, an earlier fit) left its peak and cache flushes in the allocator's
+    counters; the first batch's peak, the epoch max and each step's flushes must describe this fit's steps alone."""
     GiB = 1 << 30
-    peaks = FakeCudaPeaks(left_over=50 * GiB, step_peak=2 * GiB)
+    peaks = FakeCudaPeaks(left_over=50 * GiB, step_peak=2 * GiB, flushes=[0, 2, 0])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", peaks.read)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", peaks.read)
+    monkeypatch.setattr(torch.cuda, "memory_stats", peaks.stats)
     monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
 
     class PeakNet(LitNet):
@@ -977,4 +989,9 @@ def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monk
     ]
     assert logged == [2.0, 2.0, 2.0]
     assert peaks.resets == 3  # one per optimizer step, the first batch included
+    # Cache flushes: each step's own, not those before the fit.
+    flushes = [
+        float(row["offload/alloc_flushes"]) for row in metrics_rows(tmp_path) if row.get("offload/alloc_flushes")
+    ]
+    assert flushes == [0.0, 2.0, 0.0]
     assert float(trainer.callback_metrics["offload/peak_allocated_gib_epoch_max"]) == 2.0
