@@ -45,7 +45,8 @@ from lightning_offload.checkpointing import apply_checkpointing, remove_checkpoi
 
 GiB = 1 << 30
 GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after the model is built
-# GiB: a hard cap for the rows without a budget of their own (an experiment: does AC fit under a budget row's cap?)
+# GiB: a hard cap for the rows without a budget of their own, `none` (the reference: budgets are fractions of its
+# peak) and the default (it plans for the device) excepted. An experiment: does AC fit under a budget row's cap?
 BASELINE_CAP_VARIABLE = "BENCH_CAP_GIB"
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -398,7 +399,7 @@ class Runner:
         engine = None
         optimizer = None
         cap = budget
-        if cap is None and os.environ.get(BASELINE_CAP_VARIABLE):
+        if cap is None and os.environ.get(BASELINE_CAP_VARIABLE) and mode.name != "none" and not mode.default:
             cap = float(os.environ[BASELINE_CAP_VARIABLE]) * GiB
             row["cap_gib"] = cap / GiB
         if cap is not None:

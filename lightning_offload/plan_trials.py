@@ -144,6 +144,7 @@ class PlanTrials:
             and bool(p.light_blocks) == bool(fastest.light_blocks)
             and p.peak <= (1 - FLUSH_STEP_DOWN) * fastest.peak
             and _key(p) not in shapes
+            and _key(p) not in self._ms  # timed in an earlier round: its timing stands
         ]
         return min(lower, key=lambda p: (p.extra_ms, -p.peak)) if lower else None
 

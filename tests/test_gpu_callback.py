@@ -77,14 +77,27 @@ def test_trainer_parameters_equal(tmp_path: Path, precision: str, mode: str) -> 
 def _flush_the_allocators_cache(device: torch.device) -> int:
     """Make the caching allocator free its cache and retry an allocation once; returns how many flushes its counter
     rose by. Small-pool segments are left cached, then a large allocation is asked for under a memory fraction that
-    only leaves room for it once those are freed: only a flush of the whole cache frees another pool's segments."""
+    only leaves room for it once those are freed: only a flush of the whole cache frees another pool's segments. (With
+    expandable segments, which the streamed engine switches on, a large request maps 20 MiB pages: 256 MiB of small
+    segments leave room for it.)"""
+    request = 192 << 20
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # no cached large block may serve the request (emptying is not counted as a flush)
     before = torch.cuda.memory_stats(device)["num_alloc_retries"]
     small = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(256)]  # 1 MiB each: small pool
     del small
+    free_large = [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment["device"] == device.index and segment["segment_type"] == "large"
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
+    assert max(free_large, default=0) < request, "a cached block could serve the request without a flush"
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (64 << 20)) / total, device)
     try:
-        large = torch.empty(192 << 20, dtype=torch.uint8, device=device)
+        large = torch.empty(request, dtype=torch.uint8, device=device)
         del large
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)

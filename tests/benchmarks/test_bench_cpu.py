@@ -596,13 +596,14 @@ def test_collector_clock_counts_the_collections_of_each_generation_while_open() 
 
 
 def test_baseline_rows_run_under_the_cap_the_environment_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BENCH_CAP_GIB`` caps the rows without a budget of their own (does AC fit under a budget row's cap?): each
-    such row records the cap it ran under (on the CPU the cap itself is not applied)."""
+    """``BENCH_CAP_GIB`` caps the rows without a budget of their own (does AC fit under a budget row's cap?), but not
+    ``none``, the reference whose peak budgets are fractions of, nor the default, which plans for the device: each
+    capped row records the cap it ran under (on the CPU the cap itself is not applied)."""
     from benchmarks.worker import BASELINE_CAP_VARIABLE
 
     monkeypatch.setenv(BASELINE_CAP_VARIABLE, "2.5")
-    result = run_workload("small-h512", ["none", "ac"], 1, 1, True, tmp_path / "w.json")
-    assert [row.get("cap_gib") for row in result["rows"]] == [2.5, 2.5]
+    result = run_workload("small-h512", ["none", "ac", "ours-default"], 1, 1, True, tmp_path / "w.json")
+    assert [row.get("cap_gib") for row in result["rows"]] == [None, 2.5, None]
     monkeypatch.delenv(BASELINE_CAP_VARIABLE)
-    result = run_workload("small-h512", ["none"], 1, 1, True, tmp_path / "w.json")
-    assert "cap_gib" not in result["rows"][0]
+    result = run_workload("small-h512", ["ac"], 1, 1, True, tmp_path / "w.json")
+    assert "cap_gib" not in result["rows"][-1]
