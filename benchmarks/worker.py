@@ -42,6 +42,7 @@ from benchmarks.workloads import (
 )
 from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
+from lightning_offload.plan_trials import timing_key
 
 GiB = 1 << 30
 GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after the model is built
@@ -143,13 +144,6 @@ def _unsettled(ran: list[tuple[Any, int, bool]]) -> bool:
     """Whether the latest step ran a plan other than the step before it, one under trial, or pinned new host
     buffers."""
     return len(ran) >= 2 and (ran[-1][1] > 0 or ran[-1][0] != ran[-2][0] or ran[-1][2])
-
-
-def _what_runs(plan: Any) -> tuple[Any, ...] | None:
-    """What a plan does to a step (a re-planned step may change only its estimates)."""
-    if plan is None:
-        return None
-    return (plan.checkpoint_blocks, plan.split, plan.light_blocks, plan.offload_bytes)
 
 
 class _Clock:
@@ -568,9 +562,10 @@ class Runner:
         row["warmup"], row["steps"] = warmup, steps
         if plans:
             # Timed steps that ran a trial or a plan other than the last one (0 where the warm-up covered them).
-            settled = _what_runs(ran[-1][0])
-            unsettled = [trying or _what_runs(plan) != settled for plan, _, trying in ran[warmup:]]
-            row["unsettled_timed_steps"] = sum(unsettled)
+            # (Compared by what a plan does to a step, not by its estimates, which a re-plan may change alone.)
+            keys = [timing_key(plan) if plan is not None else None for plan, _, _ in ran]
+            timed_runs = zip(keys[warmup:], ran[warmup:], strict=True)
+            row["unsettled_timed_steps"] = sum(trying or key != keys[-1] for key, (_, _, trying) in timed_runs)
         row["step_s"] = statistics.median(times)
         row["step_times_s"] = times
         row["fwd_s"] = statistics.median(p[0] for p in phases)

@@ -53,7 +53,7 @@ class PlanTrials:
         """Forget every timing: a new profile (a new input shape) compares its own plans."""
         self.trying = False
         self.done = not self.enabled
-        self._runs: dict[tuple[int, bool, int, int], int] = {}  # plans under trial (``_key``): steps run
+        self._runs: dict[tuple[int, bool, int, int], int] = {}  # plans under trial (``timing_key``): steps run
         self._ms: dict[tuple[int, bool, int, int], list[float]] = {}  # ... the device time of the steps that count
         self._flushed: dict[tuple[int, bool, int, int], int] = {}  # ... and how many of those flushed the cache
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
@@ -68,7 +68,7 @@ class PlanTrials:
     def timed_plans(self) -> list[tuple[int, int, float, int]]:
         """The plans timed: blocks checkpointed, bytes offloaded per forward, mean device milliseconds per step, blocks
         recomputing their elementwise operations."""
-        return [(k, nbytes, sum(ms) / len(ms), light) for (k, _, nbytes, light), ms in self._ms.items() if ms]
+        return [(k, nbytes, sum(ms) / len(ms), light) for k, nbytes, light, ms in self.timed_steps()]
 
     def timed_steps(self) -> list[tuple[int, int, int, list[float]]]:
         """Each timed plan's steps in the order the plans ran: blocks checkpointed, bytes offloaded per forward, blocks
@@ -82,7 +82,7 @@ class PlanTrials:
         is now over (``False`` when none runs)."""
         if not self.trying:
             return False
-        key = _key(plan)
+        key = timing_key(plan)
         runs = self._runs[key] = self._runs.get(key, 0) + 1
         if runs > 1 and step_ms > 0 and not pinned:
             self._ms.setdefault(key, []).append(step_ms)
@@ -133,32 +133,32 @@ class PlanTrials:
         fastest = self.fastest(compared)
         if fastest is None:
             return None
-        key = _key(fastest)
+        key = timing_key(fastest)
         if 2 * self._flushed.get(key, 0) < len(self._ms[key]):
             return None
-        shapes = {_key(p) for p in compared}
+        shapes = {timing_key(p) for p in compared}
         lower = [
             p
             for p in candidates
             if p.fits
             and bool(p.light_blocks) == bool(fastest.light_blocks)
             and p.peak <= (1 - FLUSH_STEP_DOWN) * fastest.peak
-            and _key(p) not in shapes
-            and _key(p) not in self._ms  # timed in an earlier round: its timing stands
+            and timing_key(p) not in shapes
+            and timing_key(p) not in self._ms  # timed in an earlier round: its timing stands
         ]
         return min(lower, key=lambda p: (p.extra_ms, -p.peak)) if lower else None
 
     def fastest(self, plans: Sequence[Plan]) -> Plan | None:
         """The plan of ``plans`` whose timed steps ran fastest on average (``None``: none was timed)."""
-        timed = [p for p in plans if self._ms.get(_key(p))]
+        timed = [p for p in plans if self._ms.get(timing_key(p))]
         return min(timed, key=lambda p: (self._mean_ms(p), p.peak)) if timed else None
 
     def _over(self, plan: Plan) -> bool:
-        key = _key(plan)
+        key = timing_key(plan)
         return len(self._ms.get(key, [])) >= TRIAL_STEPS - 1 or self._runs.get(key, 0) >= _TRIAL_MAX_STEPS
 
     def _mean_ms(self, plan: Plan) -> float:
-        timings = self._ms[_key(plan)]
+        timings = self._ms[timing_key(plan)]
         return sum(timings) / len(timings)
 
     def _summary(self, compared: list[Plan]) -> str:
@@ -168,7 +168,7 @@ class PlanTrials:
             light = f"{p.light_blocks} elementwise + " if p.light_blocks else ""
             parts = " by parts" if p.split else ""
             what = f"{light}{p.checkpoint_blocks} block(s){parts} + {p.offload_bytes / GiB:.2f} GiB"
-            key = _key(p)
+            key = timing_key(p)
             if not self._ms.get(key):
                 times.append(f"{what} not timed")
                 continue
@@ -180,7 +180,7 @@ class PlanTrials:
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
 
-def _key(plan: Plan) -> tuple[int, bool, int, int]:
+def timing_key(plan: Plan) -> tuple[int, bool, int, int]:
     """What a timing belongs to: the blocks checkpointed (whole or by parts), the bytes offloaded (a plan that
     checkpoints as many blocks but offloads more after a correction is another plan) and the blocks recomputing their
     elementwise operations."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
+from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import GiB, OffloadOptions
@@ -82,7 +83,7 @@ class StepReporter:
         """Reset the peak counters when this batch opens an optimizer step (after the engine started its step)."""
         if self.cuda is not None and self._new_step:
             torch.cuda.reset_peak_memory_stats(self.cuda)
-            self._flushes_at_start = alloc_flushes(self.cuda)
+            self._flushes_at_start = DeviceMemory(self.cuda).alloc_retries()
         self._new_step = False
 
     def optimizer_stepped(self) -> None:
@@ -168,9 +169,3 @@ class StepReporter:
 def peak_device(device: torch.device) -> torch.device | None:
     """The device whose allocator peaks are measured: ``device`` on CUDA; none elsewhere (no such counters)."""
     return device if device.type == "cuda" else None
-
-
-def alloc_flushes(device: torch.device) -> int:
-    """The caching allocator's count of cache flushes on ``device`` so far (``num_alloc_retries``): host-side
-    bookkeeping, no device synchronization."""
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
