@@ -211,6 +211,25 @@ def allocator_segments() -> str | None:
     return "expandable" if expandable_segments() else "fixed"
 
 
+def segment_summary(device: torch.device) -> list[dict[str, Any]]:
+    """The allocator's segments now, by kind (pool, expandable or fixed): how many, their bytes, the bytes allocated
+    in them and their largest free block. Where a capped row runs out of memory, it says whether the bytes reserved
+    but unallocated are holes in fixed segments (which no flush returns while anything lives in them) or unmapped
+    room in expandable ones."""
+    kinds: dict[tuple[str, bool], dict[str, Any]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = (str(segment.get("segment_type")), bool(segment.get("is_expandable")))
+        kind = kinds.setdefault(
+            key, {"pool": key[0], "expandable": key[1], "segments": 0, "bytes": 0, "allocated": 0, "largest_free": 0}
+        )
+        free = [block["size"] for block in segment.get("blocks", []) if block.get("state") != "active_allocated"]
+        kind["segments"] += 1
+        kind["bytes"] += segment["total_size"]
+        kind["allocated"] += segment["allocated_size"]
+        kind["largest_free"] = max(kind["largest_free"], *free, 0)
+    return sorted(kinds.values(), key=lambda kind: -kind["bytes"])
+
+
 def _alloc_retries(device: torch.device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
@@ -421,6 +440,8 @@ class Runner:
                 # allocator's account of it.
                 row["oom_step"] = self.step_index
                 row["oom_error"] = str(err)[:600]
+                if self.cuda:
+                    row["oom_segments"] = segment_summary(self.device)
                 self._after_failure(engine)
             except Exception as err:
                 traceback.print_exc()
@@ -448,6 +469,13 @@ class Runner:
             return False
         ids = self.ids.cpu()
         self.model.to("cpu")
+        # cuBLAS keeps a workspace per handle and stream from the first matmul on it (32 MiB on an H200), allocated
+        # wherever the allocator had room then: in the loss's 500 MiB segment of an earlier row's backward on
+        # small-h512, which no empty_cache could return after, so the weights and the optimizer's state came back into
+        # it and left 209 MiB of holes under a 2 GiB cap. It is allocated again at the next matmul.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         _free(self.device)
         self.model.to(self.device)
         self.ids = ids.to(self.device)

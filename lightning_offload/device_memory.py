@@ -50,7 +50,10 @@ def use_expandable_segments(device: torch.device | None = None) -> bool:
     segments the freed blocks fragment, so memory *reserved* grows far past memory *allocated* (1.57x measured on an
     H200) and a budget in allocated bytes would not fit a hard cap. Expandable segments map memory into one growing
     range instead. It applies to segments allocated from now on (activations; weights allocated earlier stay where
-    they are). Off-switch: set ``PYTORCH_CUDA_ALLOC_CONF`` (e.g. ``expandable_segments:False``), and it is left alone.
+    they are), so the cache is emptied as it switches: fixed segments cached but unused would otherwise take the next
+    allocations (the optimizer's state, the loss's transient) and leave holes that no flush can return while anything
+    else lives in them (on an H200, 209 MiB of a 2 GiB cap). Off-switch: set ``PYTORCH_CUDA_ALLOC_CONF`` (e.g.
+    ``expandable_segments:False``), and it is left alone.
 
     Args:
         device: the device offloading runs on; anything but CUDA is left alone (``None``: CUDA).
@@ -74,6 +77,7 @@ def use_expandable_segments(device: torch.device | None = None) -> bool:
     except RuntimeError:  # a backend without the setting
         return False
     _switched = True
+    torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
     return True
 
 

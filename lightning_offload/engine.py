@@ -116,7 +116,9 @@ class OffloadEngine:
         self._log.start_step()
         if plan_limit == 0:
             return  # the plan keeps everything: no hooks, no cost
-        if self.planner is None or self.planner.watermark is None:  # a measuring step offloads past its watermark
+        # A measuring step offloads past its watermark (and switches then); one that offloads from its first saved
+        # tensor (under a budget the user gave) switches before it allocates anything.
+        if self.planner is None or not self.planner.watermark:
             self._offloading_starts()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]

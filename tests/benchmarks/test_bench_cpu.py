@@ -607,3 +607,57 @@ def test_baseline_rows_run_under_the_cap_the_environment_names(tmp_path: Path, m
     monkeypatch.delenv(BASELINE_CAP_VARIABLE)
     result = run_workload("small-h512", ["ac"], 1, 1, True, tmp_path / "w.json")
     assert "cap_gib" not in result["rows"][-1]
+
+
+def test_segment_summary_tells_holes_in_fixed_segments_from_expandable_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capped row that runs out of memory records the allocator's segments by kind: free bytes inside a fixed segment
+    that also holds live blocks are holes no flush returns."""
+    from benchmarks.worker import segment_summary
+
+    mib = 2**20
+    snapshot = [
+        {
+            "segment_type": "large",
+            "is_expandable": False,
+            "total_size": 500 * mib,
+            "allocated_size": 291 * mib,
+            "blocks": [
+                {"size": 291 * mib, "state": "active_allocated"},
+                {"size": 129 * mib, "state": "inactive"},
+                {"size": 80 * mib, "state": "inactive"},
+            ],
+        },
+        {
+            "segment_type": "large",
+            "is_expandable": True,
+            "total_size": 520 * mib,
+            "allocated_size": 500 * mib,
+            "blocks": [{"size": 500 * mib, "state": "active_allocated"}, {"size": 20 * mib, "state": "inactive"}],
+        },
+        {
+            "segment_type": "large",
+            "is_expandable": True,
+            "total_size": 500 * mib,
+            "allocated_size": 500 * mib,
+            "blocks": [{"size": 500 * mib, "state": "active_allocated"}],
+        },
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    assert segment_summary(torch.device("cuda")) == [
+        {
+            "pool": "large",
+            "expandable": True,
+            "segments": 2,
+            "bytes": 1020 * mib,
+            "allocated": 1000 * mib,
+            "largest_free": 20 * mib,
+        },
+        {
+            "pool": "large",
+            "expandable": False,
+            "segments": 1,
+            "bytes": 500 * mib,
+            "allocated": 291 * mib,
+            "largest_free": 129 * mib,
+        },
+    ]
