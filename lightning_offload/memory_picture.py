@@ -36,6 +36,7 @@ import psutil
 import torch
 from torch import nn
 
+from lightning_offload.device_memory import read_counters
 from lightning_offload.picture_drawing import Kind, Trace, draw, save
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ class MemoryPicture:
         now = time.perf_counter() - self._t0
         device = self._device
         if device is not None and device.type == "cuda":
-            used = torch.cuda.memory_allocated(device)
+            used = read_counters(device).allocated
         else:
             used = psutil.Process(os.getpid()).memory_info().rss
         held = inflight = offloaded = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from lightning_offload.device_memory import DeviceMemory
+from lightning_offload.device_memory import read_counters
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import GiB, OffloadOptions
@@ -83,7 +83,7 @@ class StepReporter:
         """Reset the peak counters when this batch opens an optimizer step (after the engine started its step)."""
         if self.cuda is not None and self._new_step:
             torch.cuda.reset_peak_memory_stats(self.cuda)
-            self._flushes_at_start = DeviceMemory(self.cuda).alloc_retries()
+            self._flushes_at_start = read_counters(self.cuda).alloc_retries
         self._new_step = False
 
     def optimizer_stepped(self) -> None:
@@ -103,13 +103,9 @@ class StepReporter:
             # of the epoch summaries, which describe offloading.
             stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
         cuda = self.cuda
-        # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one copy of them all.
-        counters = torch.cuda.memory_stats(cuda) if stepped and cuda else None
-        peaks = (
-            (counters.get("allocated_bytes.all.peak", 0), counters.get("reserved_bytes.all.peak", 0))
-            if counters is not None
-            else None
-        )
+        # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one read of them all.
+        counters = read_counters(cuda) if stepped and cuda else None
+        peaks = (counters.peak, counters.reserved_peak) if counters is not None else None
         if self.epoch_metrics is not None and not plain:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))
         if not will_log:
@@ -118,7 +114,7 @@ class StepReporter:
         if peaks is not None:
             metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
             metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
-            flushes = counters.get("num_alloc_retries", 0) - self._flushes_at_start  # type: ignore[union-attr]
+            flushes = counters.alloc_retries - self._flushes_at_start  # type: ignore[union-attr]
             metrics["offload/alloc_flushes"] = float(flushes)
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
 from lightning_offload.checkpointing import checkpointed_modules
+from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
 from tests.models import MLP, CheckpointModel
 
@@ -952,12 +953,10 @@ class FakeCudaPeaks:
     def read(self, device: Any = None) -> int:
         return self.peak
 
-    def stats(self, device: Any = None) -> dict[str, int]:
-        return {
-            "allocated_bytes.all.peak": self.peak,
-            "reserved_bytes.all.peak": self.peak,
-            "num_alloc_retries": self.retries,
-        }
+    def counters(self, device: Any = None) -> AllocatorCounters:
+        return AllocatorCounters(
+            allocated=0, peak=self.peak, reserved=0, reserved_peak=self.peak, alloc_retries=self.retries
+        )
 
     def step(self) -> None:
         self.peak = max(self.peak, self.step_peak)
@@ -972,7 +971,7 @@ def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monk
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", peaks.read)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", peaks.read)
-    monkeypatch.setattr(torch.cuda, "memory_stats", peaks.stats)
+    monkeypatch.setattr(reporting, "read_counters", peaks.counters)
     monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
 
     class PeakNet(LitNet):

@@ -17,7 +17,7 @@ from benchmarks import __main__ as cli
 from benchmarks import anchors, capacity, models, report
 from benchmarks.__main__ import parse_args
 from benchmarks.worker import NO_BUDGET_API, PLANNER_WARMUP, budget_bytes, memory_budget_available, run_workload
-from benchmarks.workloads import BUDGET_MODES, MODES, WORKLOADS, Mode, engine_kwargs
+from benchmarks.workloads import BUDGET_MODES, MODES, WORKLOADS, Mode, engine_kwargs, ordered
 from lightning_offload.options import OffloadOptions
 
 GiB = 1 << 30
@@ -51,7 +51,9 @@ def test_tiny_pipeline_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         assert result["env"]["model_impl"] == models.backend()
         assert result["env"]["memory_budget_api"] == memory_budget_available()
         rows = {row["mode"]: row for row in result["rows"]}
-        assert list(rows) == list(WORKLOADS[name].modes), name  # none first, then the workload's list
+        # none first, the default, then the workload's list (budget rows last among ours)
+        assert list(rows) == ordered(WORKLOADS[name].modes), name
+        assert set(rows) == set(WORKLOADS[name].modes), name
         assert "ours-default" in rows and set(BUDGET_MODES) <= set(rows), name  # on every workload
         for mode, row in rows.items():
             if MODES[mode].budget is not None and not memory_budget_available():
@@ -210,7 +212,7 @@ def test_budget_rows_take_their_budget_from_earlier_rows() -> None:
         "no peak of `none` to take a fraction of",
     )
     assert budget_bytes(MODES["ours-budget-floor"], {"none": rows["none"]})[0] is None
-    assert {MODES[m].budget for m in BUDGET_MODES} == {0.9, 0.7, 0.5, "floor"}
+    assert {MODES[m].budget for m in BUDGET_MODES} == {0.95, 0.9, 0.7, 0.5, "floor"}
     assert budget_bytes(MODES["ours-budget-8gib"], {}) == (8 * GiB, "")  # absolute: needs no earlier row
     assert engine_kwargs(MODES["ours-default"], tiny_run=True) == {}  # --tiny scaling leaves the default alone
 
@@ -603,7 +605,11 @@ def test_baseline_rows_run_under_the_cap_the_environment_names(tmp_path: Path, m
 
     monkeypatch.setenv(BASELINE_CAP_VARIABLE, "2.5")
     result = run_workload("small-h512", ["none", "ac", "ours-default"], 1, 1, True, tmp_path / "w.json")
-    assert [row.get("cap_gib") for row in result["rows"]] == [None, 2.5, None]
+    assert {row["mode"]: row.get("cap_gib") for row in result["rows"]} == {
+        "none": None,
+        "ac": 2.5,
+        "ours-default": None,
+    }
     monkeypatch.delenv(BASELINE_CAP_VARIABLE)
     result = run_workload("small-h512", ["ac"], 1, 1, True, tmp_path / "w.json")
     assert "cap_gib" not in result["rows"][-1]
@@ -660,4 +666,17 @@ def test_segment_summary_tells_holes_in_fixed_segments_from_expandable_room(monk
             "allocated": 291 * mib,
             "largest_free": 129 * mib,
         },
+    ]
+
+
+def test_the_default_row_runs_right_after_none() -> None:
+    """Before any offloading row switches the process's allocator to expandable segments: the default is compared
+    with `none` under the allocator a user who adds it to a model that fits has."""
+    assert ordered(["ac", "ac+offload", "ours-budget-0.9x", "ours-default", "sac"]) == [
+        "none",
+        "ours-default",
+        "ac",
+        "sac",
+        "ac+offload",
+        "ours-budget-0.9x",
     ]
