@@ -378,6 +378,49 @@ def reserved_when_offloading() -> dict[str, float]:
     }
 
 
+def allocations_under_a_users_budget() -> dict[str, object]:
+    """Fixed segments cached before training (as a process holds them after loading a model or running validation),
+    then training under a budget the user gives: what the allocator holds after. Run in a fresh process, whose
+    allocator starts with fixed segments (``tests.gpu.segments_under_budget``); returns what the test checks."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=8).cuda()
+    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    plain_peak, _ = _step_peak(model, tokens, None)
+    model.zero_grad(set_to_none=True)
+    # A free 512 MiB fixed segment in the cache: the next allocations of its size would be served from it.
+    torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    cached_fixed = _fixed_segments(free_only=True)
+    fixed_before = _fixed_segments()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    engine = offload_activations(model=model, memory_budget=int(0.7 * plain_peak))
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16), engine:
+            loss = model(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    engine.close()
+    return {
+        "cached_fixed_before": sum(cached_fixed.values()),
+        "cached_fixed_after": sum(_fixed_segments(free_only=True).values()),
+        # Cached before training and still there after: kept unused, or taken by the training's allocations.
+        "cached_fixed_kept": len(set(cached_fixed) & set(_fixed_segments())),
+        "fixed_segments_made_while_training": len(set(_fixed_segments()) - set(fixed_before)),
+        "optimizer_state_tensors": sum(len(state) for state in optimizer.state.values()),
+    }
+
+
+def _fixed_segments(free_only: bool = False) -> dict[int, int]:
+    """The fixed (not expandable) segments of the device, address to bytes; ``free_only``: those holding nothing
+    (cached, ready to serve the next allocations)."""
+    return {
+        s["address"]: s["total_size"]
+        for s in torch.cuda.memory_snapshot()
+        if not s.get("is_expandable") and (s["allocated_size"] == 0 or not free_only)
+    }
+
+
 def train_by_parts_under_a_cap() -> dict[str, object]:
     """A small vocabulary and long rows: the blocks' backward, with a block rebuilt whole, is the step's peak. Under a
     budget below the most frugal whole-block plan (every block checkpointed, every input offloaded), the planner
@@ -438,6 +481,24 @@ def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() ->
     assert result["by_parts_gib"] < result["whole_gib"] - 0.375, result
     assert result["split"] and result["fits"] and result["grads_equal"], result
     assert max(result["peaks_gib"]) <= result["budget_gib"], result
+
+
+def test_a_users_budget_trains_in_expandable_segments_from_its_first_step() -> None:
+    """Under a budget the user gives, the allocator switches to expandable segments before the first step allocates
+    anything, and the fixed segments the process had cached unused are returned as it switches: training then makes no
+    fixed segment (only the free room of fixed segments that hold weights is reused). Switched at the first copy with
+    the cache kept, cached fixed segments took the next allocations (on an H200, small-h512's optimizer state went into
+    an earlier fixed segment, whose holes no flush could return). In a process of its own: the allocator's setting is
+    the process's, and this one switched long ago."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    proc = processes.start([sys.executable, "-m", "tests.gpu.segments_under_budget"], env)
+    out, in_time = processes.finish(proc, timeout=300)
+    assert in_time and proc.returncode == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["cached_fixed_before"] >= 512 << 20, result
+    assert result["cached_fixed_after"] == 0 and result["cached_fixed_kept"] == 0, result
+    assert result["fixed_segments_made_while_training"] == 0, result
+    assert result["optimizer_state_tensors"] > 0, result
 
 
 def test_default_budget_costs_nothing_where_the_model_fits() -> None:
