@@ -35,7 +35,7 @@ def read_counters(device: torch.device) -> AllocatorCounters:
     if read is None or not torch.cuda.is_initialized():
         nested = torch.cuda.memory_stats_as_nested_dict(device)
     else:
-        nested = read(torch.cuda._utils._get_device_index(device, optional=True))
+        nested = read(device.index if device.index is not None else torch.cuda.current_device())
 
     def counter(name: str, kind: str) -> int:
         return int(nested.get(name, {}).get("all", {}).get(kind, 0))

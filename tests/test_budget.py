@@ -1223,6 +1223,9 @@ def test_allocator_counters_are_read_from_one_copy_of_the_nested_statistics(monk
         allocated=3, peak=5, reserved=8, reserved_peak=13, alloc_retries=2
     )
     assert reads == [1]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    device_memory.read_counters(torch.device("cuda"))  # no index: the current device
+    assert reads == [1, 2]
     memory = device_memory.DeviceMemory(torch.device("cuda", 1))
     assert (memory.allocated(), memory.peak(), memory.reserved(), memory.reserved_peak(), memory.alloc_retries()) == (
         3,
