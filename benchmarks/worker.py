@@ -217,12 +217,15 @@ def segment_summary(device: torch.device) -> list[dict[str, Any]]:
     but unallocated are holes in fixed segments (which no flush returns while anything lives in them) or unmapped
     room in expandable ones."""
     kinds: dict[tuple[str, bool], dict[str, Any]] = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
     for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", index) != index:
+            continue
         key = (str(segment.get("segment_type")), bool(segment.get("is_expandable")))
         kind = kinds.setdefault(
             key, {"pool": key[0], "expandable": key[1], "segments": 0, "bytes": 0, "allocated": 0, "largest_free": 0}
         )
-        free = [block["size"] for block in segment.get("blocks", []) if block.get("state") != "active_allocated"]
+        free = [block["size"] for block in segment.get("blocks", []) if block.get("state") == "inactive"]
         kind["segments"] += 1
         kind["bytes"] += segment["total_size"]
         kind["allocated"] += segment["allocated_size"]

@@ -149,8 +149,9 @@ def ordered(modes: list[str] | tuple[str, ...]) -> list[str]:
 
     The default (`ours-default`) runs right after `none`: a user adds it to a model that fits and keeps the allocator
     as it was (fixed segments, unless configured), while a process in which an offloading row ran has expandable
-    segments for good (on an H200 that alone moved small-h512's step by up to 1.3x). Budget rows come last among
-    ours: their budgets are computed from the peaks of `none` and `ac+offload`.
+    segments for good (on an H200 that alone moved small-h512's step by up to 1.3x). (Where `none` does not fit the
+    device's own budget, the default offloads and the baselines after it inherit expandable segments: no workload here
+    does.) Budget rows come last among ours: their budgets are computed from the peaks of `none` and `ac+offload`.
     """
     unique = list(dict.fromkeys(["none", *modes]))
     return sorted(

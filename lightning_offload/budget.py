@@ -313,6 +313,14 @@ class BudgetPlanner:
         self._blocks.watch(position)
         return None
 
+    def cache_emptied(self) -> None:
+        """The allocator emptied its cache as this step began (it switched to expandable segments): the step's peaks and
+        the reserved bytes it started from count from now, not from the segments just returned (a reserved peak left
+        over from them would read as an allocator pressed for room, and lower what plans aim for)."""
+        if self.owns_peaks:
+            self.memory.reset_peak()
+        self._reserved_at_start = self._counter("reserved")
+
     def end_step(
         self,
         eligible: int,

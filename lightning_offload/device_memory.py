@@ -31,8 +31,10 @@ def read_counters(device: torch.device) -> AllocatorCounters:
     host time per call on an H200's host, which a host-bound model's step pays in full (the planner reads three to
     five counters a step). The nested dictionary they flatten costs ~12 us; it is read directly where torch has it.
     """
+    if not torch.cuda.is_initialized():
+        return AllocatorCounters(0, 0, 0, 0, 0)  # nothing allocated yet
     read = getattr(torch._C, "_cuda_memoryStats", None)
-    if read is None or not torch.cuda.is_initialized():
+    if read is None:
         nested = torch.cuda.memory_stats_as_nested_dict(device)
     else:
         nested = read(device.index if device.index is not None else torch.cuda.current_device())
@@ -113,7 +115,9 @@ def use_expandable_segments(device: torch.device | None = None) -> bool:
     except RuntimeError:  # a backend without the setting
         return False
     _switched = True
-    torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
+    # (A no-op where CUDA was never initialized; never while a CUDA graph is being captured, where it would fail.)
+    if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        torch.cuda.empty_cache()
     return True
 
 

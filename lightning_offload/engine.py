@@ -118,8 +118,12 @@ class OffloadEngine:
             return  # the plan keeps everything: no hooks, no cost
         # A measuring step offloads past its watermark (and switches then); one that offloads from its first saved
         # tensor (under a budget the user gave) switches before it allocates anything.
-        if self.planner is None or not self.planner.watermark:
-            self._offloading_starts()
+        if (
+            (self.planner is None or not self.planner.watermark)
+            and self._offloading_starts()
+            and self.planner is not None
+        ):
+            self.planner.cache_emptied()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -199,11 +203,11 @@ class OffloadEngine:
         model = self._model_ref() if self._model_ref is not None else None
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
 
-    def _offloading_starts(self) -> None:
+    def _offloading_starts(self) -> bool:
         """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones when copies
-        are about to leave (an engine whose plan keeps everything leaves the allocator alone)."""
-        if self.options.mode != "off" and self._device is not None:
-            use_expandable_segments(self._device)
+        are about to leave (an engine whose plan keeps everything leaves the allocator alone). Returns whether the
+        allocator switched (and emptied its cache) here."""
+        return self.options.mode != "off" and self._device is not None and use_expandable_segments(self._device)
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when

@@ -1027,8 +1027,11 @@ def test_the_allocator_is_left_alone_until_copies_leave(monkeypatch: pytest.Monk
     # A user's budget: the measuring steps offload from their first saved tensor, so the allocator switches as the
     # first step begins, before it allocates anything (what it allocated in fixed segments before its first copy
     # fragmented them: on an H200, small-h512's floor budget ran out of memory so).
+    emptied: list[int] = []
+    monkeypatch.setattr(BudgetPlanner, "cache_emptied", lambda planner: emptied.append(planner.step))
     offloads.install()
     assert calls == ["cpu"]
+    assert emptied == [1]  # the first step's peaks count from the switch
     offloads.uninstall()
     run_steps(offloads, model, x, 3)
     assert set(calls) == {"cpu"}
@@ -1237,3 +1240,38 @@ def test_allocator_counters_are_read_from_one_copy_of_the_nested_statistics(monk
     # Before CUDA is initialized there is nothing to read: every counter is 0.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert device_memory.read_counters(torch.device("cuda", 0)) == device_memory.AllocatorCounters(0, 0, 0, 0, 0)
+
+
+class SwitchingAllocator(PeakCounter):
+    """Counters of an allocator whose reserved peak (9.8 GiB of a 10 GiB budget) was cached segments until the engine
+    switched it and emptied its cache (the reserved peak then restarts at what is reserved: 1 GiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = 2 * GiB
+        self.cached_peak = int(9.8 * GiB)
+
+    def reserved(self) -> int:
+        return GiB
+
+    def reserved_peak(self) -> int:
+        return max(self.cached_peak, GiB)
+
+    def reset_peak(self) -> None:
+        self.cached_peak = 0
+
+
+@pytest.mark.parametrize("emptied", [True, False])
+def test_the_segments_returned_as_a_step_begins_do_not_count_as_its_reserved_peak(emptied: bool) -> None:
+    """The allocator emptied its cache as the first measuring step began (the switch to expandable segments): the
+    segments it returned are not the step's reserved bytes, so the step does not read as pressed for room, and what
+    plans aim for stays at the budget's margin."""
+    memory = SwitchingAllocator()
+    planner = BudgetPlanner(10 * GiB, memory)
+    assert planner.begin_step(lambda: 0) is None  # a measuring step
+    memory.cached_peak = int(9.8 * GiB)  # the counters still hold the cached segments' peak
+    if emptied:
+        planner.cache_emptied()
+    planner.end_step(eligible=GiB, offloaded=GiB, forward_ms=10.0, link_bytes_per_ms=1e6, extra={})
+    margin = 10 * GiB - planner.plan_budget
+    assert margin == (int(0.05 * 10 * GiB) if emptied else int(1.5 * (int(9.8 * GiB) - 2 * GiB)))

@@ -625,12 +625,13 @@ def test_segment_summary_tells_holes_in_fixed_segments_from_expandable_room(monk
         {
             "segment_type": "large",
             "is_expandable": False,
-            "total_size": 500 * mib,
+            "total_size": 700 * mib,
             "allocated_size": 291 * mib,
             "blocks": [
                 {"size": 291 * mib, "state": "active_allocated"},
                 {"size": 129 * mib, "state": "inactive"},
                 {"size": 80 * mib, "state": "inactive"},
+                {"size": 200 * mib, "state": "active_pending_free"},  # freed, its stream still using it: not free
             ],
         },
         {
@@ -648,8 +649,9 @@ def test_segment_summary_tells_holes_in_fixed_segments_from_expandable_room(monk
             "blocks": [{"size": 500 * mib, "state": "active_allocated"}],
         },
     ]
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
-    assert segment_summary(torch.device("cuda")) == [
+    other_device = {**snapshot[0], "device": 1}  # another GPU's segment: not this device's
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [*snapshot, other_device])
+    assert segment_summary(torch.device("cuda", 0)) == [
         {
             "pool": "large",
             "expandable": True,
@@ -662,7 +664,7 @@ def test_segment_summary_tells_holes_in_fixed_segments_from_expandable_room(monk
             "pool": "large",
             "expandable": False,
             "segments": 1,
-            "bytes": 500 * mib,
+            "bytes": 700 * mib,
             "allocated": 291 * mib,
             "largest_free": 129 * mib,
         },
