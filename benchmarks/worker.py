@@ -42,6 +42,7 @@ from benchmarks.workloads import (
 )
 from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
+from lightning_offload.device_memory import read_counters
 from lightning_offload.plan_trials import timing_key
 
 GiB = 1 << 30
@@ -231,10 +232,6 @@ def segment_summary(device: torch.device) -> list[dict[str, Any]]:
         kind["allocated"] += segment["allocated_size"]
         kind["largest_free"] = max(kind["largest_free"], *free, 0)
     return sorted(kinds.values(), key=lambda kind: -kind["bytes"])
-
-
-def _alloc_retries(device: torch.device) -> int:
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def measure_link(device: torch.device, nbytes: int = GiB, reps: int = 3) -> dict[str, float] | None:
@@ -556,7 +553,7 @@ class Runner:
             timed = index >= warmup
             if index == warmup and self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                flushes_before = _alloc_retries(self.device)
+                flushes_before = read_counters(self.device).alloc_retries
             clock = _Clock(self.device)
             _sync(self.device)
             start = time.perf_counter()
@@ -610,7 +607,7 @@ class Runner:
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
             row["allocator"] = allocator_segments()
             # How often the allocator found the device (or the row's cap) full and flushed its cache, per timed step.
-            row["alloc_flushes_per_step"] = (_alloc_retries(self.device) - flushes_before) / steps
+            row["alloc_flushes_per_step"] = (read_counters(self.device).alloc_retries - flushes_before) / steps
         if engine_rows:
             row["engine"] = {key: statistics.median(r[key] for r in engine_rows) for key in engine_rows[0]}
         planner = getattr(engine, "planner", None)

@@ -118,12 +118,10 @@ class OffloadEngine:
             return  # the plan keeps everything: no hooks, no cost
         # A measuring step offloads past its watermark (and switches then); one that offloads from its first saved
         # tensor (under a budget the user gave) switches before it allocates anything.
-        if (
-            (self.planner is None or not self.planner.watermark)
-            and self._offloading_starts()
-            and self.planner is not None
-        ):
-            self.planner.cache_emptied()
+        if self.planner is None or not self.planner.watermark:
+            switched = self._offloading_starts()
+            if switched and self.planner is not None:
+                self.planner.cache_emptied()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -111,11 +111,10 @@ class StepReporter:
         if not will_log:
             return stats
         metrics: dict[str, float] = {}
-        if peaks is not None:
-            metrics["offload/peak_allocated_gib"] = peaks[0] / GiB
-            metrics["offload/peak_reserved_gib"] = peaks[1] / GiB
-            flushes = counters.alloc_retries - self._flushes_at_start  # type: ignore[union-attr]
-            metrics["offload/alloc_flushes"] = float(flushes)
+        if counters is not None:
+            metrics["offload/peak_allocated_gib"] = counters.peak / GiB
+            metrics["offload/peak_reserved_gib"] = counters.reserved_peak / GiB
+            metrics["offload/alloc_flushes"] = float(counters.alloc_retries - self._flushes_at_start)
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and cuda is not None:
