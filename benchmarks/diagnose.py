@@ -12,13 +12,21 @@ backward, and the optimizer step. The planner still sees the whole step's peak.
 
     python -m benchmarks.diagnose --workload llama8b-lora-s8k --budget-gib 69.6 --steps 8 --profile-step 6
     python -m benchmarks.diagnose --workload smallvocab-h1024 --seq 45056 --budget-gib 8 --steps 6
+
+``--max-offload-gib X`` runs the manual override instead (no budget, no cap, no planner: the first ``X`` GiB of
+each forward leave), and ``--plain-steps N`` times ``N`` steps without the engine in the same process, alternating
+with the engine's last ``N`` steps, to tell what offloading adds to forward, backward and the step:
+
+    python -m benchmarks.diagnose --workload llama8b-lora-s8k --max-offload-gib 14.4 --steps 10 --plain-steps 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -165,11 +173,37 @@ def _profile_summary(prof: Any) -> dict[str, list[str]]:
     }
 
 
+def _plain_step(bench: Any, optimizer: Any, ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """One step without the engine: wall time, and forward's and backward's device time (CUDA events)."""
+    if device.type != "cuda":
+        return {"plain_wall_s": round(bench.timed_step(contextlib.nullcontext(), optimizer, ids), 4)}
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    events[0].record()
+    loss = bench.loss(ids)
+    events[1].record()
+    loss.backward()
+    events[2].record()
+    del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    return {
+        "plain_wall_s": round(time.perf_counter() - start, 4),
+        "plain_fwd_ms": round(events[0].elapsed_time(events[1]), 1),
+        "plain_bwd_ms": round(events[1].elapsed_time(events[2]), 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, choices=sorted(_ALL))
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the workload's)")
-    parser.add_argument("--budget-gib", type=float, required=True, help="memory_budget, also set as a hard cap")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--budget-gib", type=float, help="memory_budget, also set as a hard cap")
+    what.add_argument("--max-offload-gib", type=float, help="max_offload_bytes (streamed, no planner, no cap)")
+    parser.add_argument("--plain-steps", type=int, default=0, help="steps without the engine, alternating at the end")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--profile-step", type=int, default=None, help="run this step under the PyTorch profiler")
     parser.add_argument("--tiny", action="store_true", help="shrink the model (a CPU run of the tool itself)")
@@ -181,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = tiny(workload) if args.tiny else workload
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    budget = int(args.budget_gib * GiB)
-    if cuda:  # before the weights: the cap bounds the whole process, as in the capacity benchmark
+    budget = int(args.budget_gib * GiB) if args.budget_gib is not None else None
+    if cuda and budget is not None:  # before the weights: the cap bounds the whole process, as in capacity runs
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     torch.manual_seed(0)
@@ -191,10 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     ids = ids.to(device)
     params = [p for _, p in bench.trainable()]
     optimizer = torch.optim.AdamW(params, lr=1e-5, **({"fused": True} if cuda else {}))
-    engine = offload_activations(
-        memory_budget=budget, model=bench.module, measure_copies=cuda, compute_device=None if cuda else "cpu"
+    knobs: dict[str, Any] = (
+        {"memory_budget": budget} if budget is not None else {"max_offload_bytes": int(args.max_offload_gib * GiB)}
     )
-    result: dict[str, Any] = {"workload": workload.as_dict(), "budget_gib": args.budget_gib, "steps": []}
+    engine = offload_activations(
+        **knobs, model=bench.module, measure_copies=cuda, compute_device=None if cuda else "cpu"
+    )
+    result: dict[str, Any] = {
+        "workload": workload.as_dict(),
+        "budget_gib": args.budget_gib,
+        "max_offload_gib": args.max_offload_gib,
+        "steps": [],
+        "plain_steps": [],
+    }
+    # The plain steps alternate with the engine's last ones: drift between them touches both alike.
+    plain_from = args.steps - args.plain_steps
     phases = None  # from the second step on: the engine makes its planner at its first
     try:
         for index in range(args.steps):
@@ -203,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
+            if index >= plain_from:
+                plain = _plain_step(bench, optimizer, ids, device)
+                result["plain_steps"].append(plain)
+                print(json.dumps(plain), flush=True)
             wall = bench.timed_step(engine, optimizer, ids)
             if profiler is not None:
                 profiler.__exit__(None, None, None)

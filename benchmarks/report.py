@@ -619,7 +619,7 @@ def _plan_cell(
     plan: dict[str, Any] | None, trials: list[list[float]] | None = None, unsettled: int | None = None
 ) -> str:
     """The memory-budget plan a row ran last, with the peak it predicted, the plans timed against each other with
-    the mean of their timed steps, and how many of the row's timed steps ran another plan or a trial (the row's time
+    the median of their timed steps, and how many of the row's timed steps ran another plan or a trial (the row's time
     is then not the plan's alone; ``-``: no planner)."""
     if not plan:
         return "-"

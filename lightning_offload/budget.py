@@ -177,7 +177,7 @@ class BudgetPlanner:
     @property
     def timed_plans(self) -> list[tuple[int, int, float, int]]:
         """The plans timed against each other for the current profile: blocks checkpointed, bytes offloaded per
-        forward, and the mean of their timed steps (device milliseconds, start to start)."""
+        forward, and the median of their timed steps (device milliseconds, start to start)."""
         return self._trials.timed_plans()
 
     @property

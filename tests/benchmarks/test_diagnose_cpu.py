@@ -27,6 +27,23 @@ def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path:
     assert result["budget_gib"] == 2.0 and "oom" not in result
 
 
+def test_diagnose_runs_a_manual_offload_limit_with_plain_steps_alternating_at_the_end(tmp_path: Path) -> None:
+    out = tmp_path / "d.json"
+    args = ["--workload", "small-h512", "--max-offload-gib", "0.5", "--steps", "3", "--plain-steps", "2", "--tiny"]
+    assert diagnose.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["max_offload_gib"] == 0.5 and result["budget_gib"] is None
+    assert [s["step"] for s in result["steps"]] == [0, 1, 2]
+    assert "measuring" not in result["steps"][-1]  # no planner without a budget
+    assert len(result["plain_steps"]) == 2 and all(p["plain_wall_s"] > 0 for p in result["plain_steps"])
+
+
+def test_diagnose_takes_a_budget_or_a_manual_limit_not_both(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        diagnose.main(["--workload", "small-h512", "--budget-gib", "2", "--max-offload-gib", "1", "--tiny"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_interleaved_times_plain_and_default_steps_alike(tmp_path: Path) -> None:
     out = tmp_path / "i.json"
     assert interleaved.main(["--workload", "small-h512", "--pairs", "3", "--tiny", "--out", str(out)]) == 0
