@@ -43,6 +43,7 @@ class StorageCopy:
         "last_use",
         "lo",
         "modified",
+        "need_pos",
         "pool",
         "producer",
         "src",
@@ -80,6 +81,9 @@ class StorageCopy:
         self.last_use: torch.cuda.Event | None = None  # the last copy that touched ``host``
         self.views_left = 0
         self.end_pos = 0
+        # The position of its latest save: backward needs it first there. Above ``end_pos`` when a later op saves the
+        # same bytes again (rotary embeddings' cos and sin, made once and saved by every block's attention).
+        self.need_pos = 0
 
     @property
     def nbytes(self) -> int:
@@ -138,10 +142,11 @@ class StorageCopy:
 class SavedView:
     """What autograd holds instead of an offloadable tensor: how to rebuild it from its ``StorageCopy``."""
 
-    __slots__ = ("copy", "dtype", "first", "offset", "size", "stride", "version")
+    __slots__ = ("copy", "dtype", "first", "offset", "position", "size", "stride", "version")
 
-    def __init__(self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int) -> None:
+    def __init__(self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int, position: int) -> None:
         self.copy = copy
+        self.position = position  # where backward unpacks it: the saved bytes' position when it was saved
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()

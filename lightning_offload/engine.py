@@ -268,7 +268,7 @@ class OffloadEngine:
                 copy.state = State.RESIDENT
                 self._counted.append(copy)
                 return _keep(tensor)
-            view = SavedView(copy, tensor, start)
+            view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes)
             outbound.pending.append(copy)
             outbound.send_decided(log, stats)
             return view
@@ -276,7 +276,7 @@ class OffloadEngine:
             return _keep(tensor)
         if copy.state is State.OFFLOADED:
             stats.offloaded_tensors += 1  # served by a copy already on its way to the host
-        return SavedView(copy, tensor, start)
+        return SavedView(copy, tensor, start, log.saved_again(copy))
 
     def _end_forward(self) -> None:
         """End the open forward: the pending tail stays resident, and its offloaded copies queue for prefetch."""
@@ -318,7 +318,7 @@ class OffloadEngine:
         self._end_forward()
         outbound, inbound = self._outbound, self._inbound
         assert outbound is not None and inbound is not None
-        self._log.reached(copy)
+        self._log.reached(view)
         if inbound.left_head(self._log.backward_pos) and self.planner is not None:
             self.planner.left_head(outbound.inflight_bytes)
         outbound.retire()  # before the version check: a finished copy seals the version it saw

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 
-from lightning_offload.copies import StorageCopy
+from lightning_offload.copies import SavedView, StorageCopy
 
 
 class SaveLog:
@@ -44,7 +44,13 @@ class SaveLog:
         self._by_storage.setdefault(storage_key, []).append(ref)
         self._step.append(ref)
         self.position += copy.nbytes
-        copy.end_pos = self.position
+        copy.end_pos = copy.need_pos = self.position
+
+    def saved_again(self, copy: StorageCopy) -> int:
+        """A later op of the open forward saved bytes ``copy`` holds: backward needs them from here on (the top of the
+        forward so far). Returns that position."""
+        copy.need_pos = max(copy.need_pos, self.position)
+        return self.position
 
     def close_forward(self) -> int:
         """End the open forward; returns its eligible bytes."""
@@ -54,9 +60,10 @@ class SaveLog:
         self._by_storage = {}
         return self.previous_forward
 
-    def reached(self, copy: StorageCopy) -> None:
-        """Backward has reached ``copy``."""
-        self.backward_pos = min(self.backward_pos, copy.end_pos - copy.nbytes)
+    def reached(self, view: SavedView) -> None:
+        """Backward has reached the op that saved ``view`` (not the copy's own position: bytes saved early and again
+        by a later op are unpacked there first, and backward has not walked down to their first save)."""
+        self.backward_pos = min(self.backward_pos, view.position)
 
     def start_step(self) -> None:
         self._step = [ref for ref in self._step if ref() is not None]

@@ -70,7 +70,7 @@ def _record(t: torch.Tensor) -> tuple[StorageCopy, SavedView]:
     start, end = byte_span(t)
     lo, hi = copy_span(start, end, t.untyped_storage().nbytes())
     copy = StorageCopy(t, StorageWeakRef(t.untyped_storage()), lo, hi, producer=None)
-    return copy, SavedView(copy, t, start)
+    return copy, SavedView(copy, t, start, position=0)
 
 
 @pytest.mark.parametrize("index", range(len(_views())))
