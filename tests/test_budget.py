@@ -766,14 +766,15 @@ def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit
 
 @pytest.mark.parametrize(
     ("gap_share", "pressed", "expected_margin"),
-    [(0.02, "flushed", 0.05), (0.06, "flushed", 0.09), (0.06, "near the budget", None), (0.06, None, 0.05)],
+    [(0.01, "flushed", 0.05), (0.06, "flushed", 0.11), (0.06, "near the budget", None), (0.06, None, 0.05)],
 )
 def test_plans_aim_lower_where_the_pressed_measuring_step_reserved_far_past_its_peak(
     gap_share: float, pressed: str | None, expected_margin: float | None
 ) -> None:
     """A hard cap counts reserved bytes. Where the measuring step's allocator was pressed for room (it flushed its
     cache, or reserved past what plans aim for) and reserved more past its peak than the plans' margin (5% of the
-    budget), plans aim lower by one and a half times that gap; a small gap leaves the margin as it was, and so does any
+    budget) allows, plans aim lower by one and a half times that gap and the 2% of the budget a planned step may peak
+    above its prediction before it replans; a small gap leaves the margin as it was, and so does any
     gap the allocator cached far below the budget without flushing (room the budget left, which a flush would free)."""
     x = torch.randn(BATCH, WIDTH)
     act, model, memory = weights_on_the_device(x)
@@ -794,7 +795,9 @@ def test_plans_aim_lower_where_the_pressed_measuring_step_reserved_far_past_its_
     assert planner is not None and planner.plan is not None and planner.plan.fits
     aim = planner.plan_budget
     if pressed == "near the budget":  # the gap is then from the measuring step's peak up to 96% of the budget
-        assert aim == pytest.approx(budget - 1.5 * (0.96 * budget - planner._measured_peaks[1]), rel=1e-3)
+        assert aim == pytest.approx(
+            budget - 1.5 * (0.96 * budget - planner._measured_peaks[1]) - 0.02 * budget, rel=1e-3
+        )
         assert aim < budget * 0.91 and planner.plan.peak <= budget  # (no plan may fit that aim: the most frugal runs)
     else:
         assert aim == pytest.approx(budget * (1 - expected_margin), rel=1e-3)
@@ -1274,4 +1277,4 @@ def test_the_segments_returned_as_a_step_begins_do_not_count_as_its_reserved_pea
         planner.cache_emptied()
     planner.end_step(eligible=GiB, offloaded=GiB, forward_ms=10.0, link_bytes_per_ms=1e6, extra={})
     margin = 10 * GiB - planner.plan_budget
-    assert margin == (int(0.05 * 10 * GiB) if emptied else int(1.5 * (int(9.8 * GiB) - 2 * GiB)))
+    assert margin == (int(0.05 * 10 * GiB) if emptied else int(1.5 * (int(9.8 * GiB) - 2 * GiB) + 0.02 * 10 * GiB))
