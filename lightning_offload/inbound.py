@@ -29,7 +29,11 @@ class InboundQueue:
     Attributes:
         grad_reserve: freed bytes that do not count (the gradients backward allocates meanwhile); ``None``: only
             ``cap`` bounds the prefetch.
-        freed_bytes: bytes of resident activations backward has used (and released) since the latest forward.
+        freed_bytes: bytes of resident activations backward has used and released since the latest forward: counted
+            once backward unpacks a tensor saved below them, so the node that used them has run (a node allocates
+            its outputs before its saved tensors go: crediting them at their unpack let 8B LoRA's manual 16 GiB
+            offload on an H200 fetch 3.8 GiB back while the loss's backward still held its logits, and its peak fell
+            by 12.2 GiB, not 15.9).
         hold_above: nothing is fetched ahead while backward is above this position (the head's saved bytes: the
             loss's backward is the step's peak, and what it frees is room for copies once it is done); ``None``:
             no hold.
@@ -45,6 +49,7 @@ class InboundQueue:
         self.ahead_bytes = 0
         self.grad_reserve: int | None = None
         self.freed_bytes = 0
+        self._freeing: list[tuple[int, int]] = []  # used by a node that may still run: (its view's position, bytes)
         self.hold_above: int | None = None
 
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
@@ -59,6 +64,7 @@ class InboundQueue:
         copies = sorted(copies, key=_need_position)
         self.queue = copies + self.queue  # backward needs the latest forward first
         self.freed_bytes = 0
+        self._freeing = []
         ends, sizes = [], []
         for ref in self.queue:
             copy = ref()
@@ -83,12 +89,12 @@ class InboundQueue:
 
     def used_resident(self, view: SavedView) -> None:
         """Backward unpacked ``view`` of a copy that stayed on the device; once all its views are used, autograd
-        releases the bytes (when the node that unpacked them has run)."""
+        releases the bytes when the node that unpacked them has run (:attr:`freed_bytes` counts them then)."""
         if view.first:
             view.first = False
             view.copy.views_left -= 1
             if view.copy.views_left <= 0:
-                self.freed_bytes += view.copy.nbytes
+                self._freeing.append((view.position, view.copy.nbytes))
 
     def left_head(self, backward_pos: int) -> bool:
         """Whether backward, at ``backward_pos``, just left the held head (true once per backward)."""
@@ -100,6 +106,7 @@ class InboundQueue:
     def prefetch(self, backward_pos: int, stats: OffloadStats) -> None:
         """Start the copies whose planned start backward has reached, latest-saved first, within ``cap`` ahead; and
         later ones already, as far as the room backward has freed allows (nothing while the head is held)."""
+        self._credit_freed(backward_pos)
         if self.hold_above is not None:
             return
         ahead = self._ahead
@@ -131,6 +138,19 @@ class InboundQueue:
             ahead.append((weakref.ref(copy), copy.nbytes))
             self.ahead_bytes += copy.nbytes
 
+    def _credit_freed(self, backward_pos: int) -> None:
+        """Count as freed the resident bytes whose node has run: backward has since unpacked a tensor saved below
+        them (autograd runs one node at a time, in reverse order of forward)."""
+        if not self._freeing:
+            return
+        still = []
+        for position, nbytes in self._freeing:
+            if position > backward_pos:
+                self.freed_bytes += nbytes
+            else:
+                still.append((position, nbytes))
+        self._freeing = still
+
     def _fetch(self, copy: StorageCopy, stats: OffloadStats, on_demand: bool) -> torch.Tensor:
         span = copy.fetched = self._transfer.copy_in(copy, self._device)
         if on_demand:
@@ -143,6 +163,7 @@ class InboundQueue:
         self.hold_above = None
         self.queue, self.starts = [], []
         self._ahead.clear()
+        self._freeing = []
         self.ahead_bytes = self.freed_bytes = 0
 
 

@@ -5,7 +5,7 @@ in-flight reuse, and in-place changes at every phase. A simulated copy runs only
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -267,8 +267,9 @@ def test_inplace_change_while_the_copy_is_in_flight_raises() -> None:
 
 def test_copies_come_back_before_their_planned_start_into_what_backward_freed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planned starts lag (here: each copy is planned to start only where backward needs it), but backward has
-    freed more kept activations than the offloaded copies take: they all come back at once, ahead of need, into that
-    room (the peak does not move), and the gradients are unchanged."""
+    freed more kept activations than the offloaded copies take: they come back ahead of need into that room, three of
+    the four at once, past the one-copy cap (a kept activation counts as freed once the node that used it has run),
+    nothing on demand, and the gradients are unchanged."""
     monkeypatch.setattr("lightning_offload.inbound.plan_prefetch", lambda ends, sizes, lead: list(ends))
     size = 1024 * 64 * 4  # one saved activation
     model = Chain(n=8, width=64)
@@ -290,7 +291,70 @@ def test_copies_come_back_before_their_planned_start_into_what_backward_freed(mo
         assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
     stats = engine.stats
     assert stats.offloaded_bytes == 4 * size and stats.fetched_on_demand_bytes == 0
-    assert sim.max_queued_bytes["h2d"] == 4 * size  # every copy on its way back at once
+    assert sim.max_queued_bytes["h2d"] == 3 * size  # on their way back together, past the cap
+
+
+class _HeadLoss(torch.autograd.Function):
+    """A loss whose backward unpacks a large saved tensor and notes what the way back had fetched ahead by then."""
+
+    seen: ClassVar[list[int]] = []
+    engine: ClassVar[OffloadEngine | None] = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        logits = x.repeat(1, 8)  # the head's large saved tensor (a loss's logits), saved last
+        ctx.save_for_backward(logits)
+        return logits.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (logits,) = ctx.saved_tensors
+        if _HeadLoss.engine is not None:
+            # The node still runs: its saved tensor is alive, and it allocates its gradient before that goes.
+            _HeadLoss.seen.append(_HeadLoss.engine.collect_stats(wait=False).prefetched_bytes)
+        return grad.expand_as(logits)[:, : logits.shape[1] // 8] * 8
+
+
+def test_bytes_a_node_still_holds_are_not_room_for_copies_until_it_has_run() -> None:
+    """The head's backward unpacks its large saved tensor: while it runs, that tensor and the gradient it allocates
+    both live, so no copy comes back into its bytes yet (only the one ``prefetch_bytes`` allows); once backward
+    unpacks what was saved below it, they are room, and the offloaded copies come back ahead of need (past the
+    one-copy cap), with the gradients unchanged."""
+    size = 1024 * 64 * 4  # one saved activation
+    model = Chain(n=6, width=64)
+    x = torch.randn(1024, 64)
+
+    def loss_of(inputs: torch.Tensor) -> torch.Tensor:
+        h = inputs
+        for layer in model.layers:
+            h = torch.tanh(layer(h))
+        return _HeadLoss.apply(h)
+
+    loss_of(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    sim = SimulatedStreams(lag=None)
+    options = OffloadOptions.create(
+        "test", mode="streamed", compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0,
+        max_offload_bytes=3 * size, prefetch_bytes=size,
+    )  # fmt: skip
+    engine = OffloadEngine(options, model=model, streams=sim)
+    _HeadLoss.engine = engine
+    try:
+        for _ in range(2):
+            _HeadLoss.seen.clear()
+            model.zero_grad(set_to_none=True)
+            with engine:
+                loss = loss_of(x)
+            sim.synchronize()
+            loss.backward()
+            assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
+    finally:
+        _HeadLoss.engine = None
+    # While the head's own bytes were held, only what ``prefetch_bytes`` allows came back, nothing into them.
+    assert len(_HeadLoss.seen) == 1 and _HeadLoss.seen[0] <= size
+    stats = engine.stats
+    assert stats.offloaded_bytes == 3 * size and stats.prefetched_bytes == 3 * size
+    assert sim.max_queued_bytes["h2d"] > size
 
 
 def test_a_span_fetched_back_and_never_used_is_released_after_its_copy() -> None:
