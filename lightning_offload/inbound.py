@@ -30,10 +30,10 @@ class InboundQueue:
         grad_reserve: freed bytes that do not count (the gradients backward allocates meanwhile); ``None``: only
             ``cap`` bounds the prefetch.
         freed_bytes: bytes of resident activations backward has used and released since the latest forward: counted
-            once backward unpacks a tensor saved below them, so the node that used them has run (a node allocates
-            its outputs before its saved tensors go: crediting them at their unpack let 8B LoRA's manual 16 GiB
-            offload on an H200 fetch 3.8 GiB back while the loss's backward still held its logits, and its peak fell
-            by 12.2 GiB, not 15.9).
+            once another autograd node unpacks, so the node that used them has run (a node unpacks all it saved, then
+            allocates its outputs, and only then lets its saved tensors go: crediting them at their unpack let 8B
+            LoRA's manual 16 GiB offload on an H200 fetch 3.8 GiB back while the loss's backward still held its
+            logits, and its peak fell by 12.2 GiB, not 15.9).
         hold_above: nothing is fetched ahead while backward is above this position (the head's saved bytes: the
             loss's backward is the step's peak, and what it frees is room for copies once it is done); ``None``:
             no hold.
@@ -49,12 +49,15 @@ class InboundQueue:
         self.ahead_bytes = 0
         self.grad_reserve: int | None = None
         self.freed_bytes = 0
-        self._freeing: list[tuple[int, int]] = []  # used by a node that may still run: (its view's position, bytes)
+        # Used by a node that may still run: the view's position, its bytes, and the node (``_running_node``).
+        self._freeing: list[tuple[int, int, int | None]] = []
         self.hold_above: int | None = None
 
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
         """Queue a sealed forward's offloaded copies (save order) and plan when each starts back."""
         transfer = self._transfer
+        self.freed_bytes = 0
+        self._freeing = []
         if not isinstance(transfer, StreamedTransfer):
             return  # no overlap, no prefetch: each copy comes back when backward asks for it
         # In the order backward first needs them: where each was saved last. A copy saved early and again by later
@@ -62,9 +65,8 @@ class InboundQueue:
         # 14.4 GiB partial offload fetched their 2 x 2 MiB on demand behind 71 ms of prefetches queued on the link, a
         # 73 ms stall in every backward.
         copies = sorted(copies, key=_need_position)
-        self.queue = copies + self.queue  # backward needs the latest forward first
-        self.freed_bytes = 0
-        self._freeing = []
+        # Popped from the end: a later forward (several may await one backward) sits above the earlier ones.
+        self.queue = self.queue + copies
         ends, sizes = [], []
         for ref in self.queue:
             copy = ref()
@@ -94,7 +96,7 @@ class InboundQueue:
             view.first = False
             view.copy.views_left -= 1
             if view.copy.views_left <= 0:
-                self._freeing.append((view.position, view.copy.nbytes))
+                self._freeing.append((view.position, view.copy.nbytes, _running_node()))
 
     def left_head(self, backward_pos: int) -> bool:
         """Whether backward, at ``backward_pos``, just left the held head (true once per backward)."""
@@ -110,7 +112,7 @@ class InboundQueue:
         if self.hold_above is not None:
             return
         ahead = self._ahead
-        while ahead and (ahead[0][0]() is None or ahead[0][0]().fetched is None):  # type: ignore[union-attr]
+        while ahead and _used(ahead[0][0]):
             self.ahead_bytes -= ahead.popleft()[1]
         queue, starts = self.queue, self.starts
         # Room that backward freed: bytes fetched into it take the place of bytes that left, so the peak does not
@@ -123,9 +125,9 @@ class InboundQueue:
             copy = queue[-1]()
             nbytes = copy.nbytes if copy is not None else 0
             if starts[-1] < backward_pos:  # not due yet: only into freed room
-                if self.ahead_bytes + nbytes > room:
+                if not self._fits_ahead(nbytes, room):
                     return
-            elif copy is not None and self.ahead_bytes and self.ahead_bytes + nbytes > cap:
+            elif copy is not None and self.ahead_bytes and not self._fits_ahead(nbytes, cap, alone=True):
                 return  # memory bound: the rest follows as backward consumes what came back
             queue.pop()
             starts.pop()
@@ -138,17 +140,30 @@ class InboundQueue:
             ahead.append((weakref.ref(copy), copy.nbytes))
             self.ahead_bytes += copy.nbytes
 
+    def _fits_ahead(self, nbytes: int, bound: int, alone: bool = False) -> bool:
+        """Whether ``nbytes`` more fetched ahead stay within ``bound`` (``alone``: or would be the only ones). Counts
+        only copies still waiting for backward: one fetched first may stay long (a tensor every block saves is used
+        by each block, the last at the bottom) while those fetched after it are used and released."""
+        if self.ahead_bytes + nbytes <= bound:
+            return True
+        waiting = [entry for entry in self._ahead if not _used(entry[0])]
+        self._ahead = deque(waiting)
+        self.ahead_bytes = sum(n for _, n in waiting)
+        return self.ahead_bytes + nbytes <= bound or (alone and not self.ahead_bytes)
+
     def _credit_freed(self, backward_pos: int) -> None:
-        """Count as freed the resident bytes whose node has run: backward has since unpacked a tensor saved below
-        them (autograd runs one node at a time, in reverse order of forward)."""
+        """Count as freed the resident bytes whose node has run: another node unpacks now (autograd runs one node
+        at a time). Where torch cannot say which node runs, backward having unpacked a tensor saved below them
+        stands in (a node may unpack a lower one of its own first, so that credits some bytes early)."""
         if not self._freeing:
             return
+        running = _running_node()
         still = []
-        for position, nbytes in self._freeing:
-            if position > backward_pos:
+        for position, nbytes, node in self._freeing:
+            if (node != running) if node is not None else position > backward_pos:
                 self.freed_bytes += nbytes
             else:
-                still.append((position, nbytes))
+                still.append((position, nbytes, node))
         self._freeing = still
 
     def _fetch(self, copy: StorageCopy, stats: OffloadStats, on_demand: bool) -> torch.Tensor:
@@ -171,3 +186,18 @@ def _need_position(ref: weakref.ref[StorageCopy]) -> int:
     """Where backward first needs a queued copy (a copy already gone sorts first: it is dropped when reached)."""
     copy = ref()
     return copy.need_pos if copy is not None else -1
+
+
+def _used(ref: weakref.ref[StorageCopy]) -> bool:
+    """Whether a copy fetched ahead is no longer waiting: gone, or used by backward and released."""
+    copy = ref()
+    return copy is None or copy.fetched is None
+
+
+_current_node = getattr(torch._C, "_current_autograd_node", None)
+
+
+def _running_node() -> int | None:
+    """The autograd node running now, as a key (``None``: outside backward, or a torch that cannot say)."""
+    node = _current_node() if _current_node is not None else None
+    return id(node) if node is not None else None

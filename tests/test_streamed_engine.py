@@ -156,6 +156,52 @@ def test_a_tensor_every_block_saves_comes_back_first_and_backward_walks_from_the
     assert positions and positions[0] >= top - 2 * activation  # near the top, not at the table's first save
 
 
+def test_a_tensor_every_block_saves_does_not_hold_the_prefetch_cap_after_the_copies_behind_it_are_used() -> None:
+    """The table comes back first and stays on the device until the bottom block uses it last; the copies fetched
+    after it are used and released one by one. Only what still waits counts against ``prefetch_bytes``, so the cap
+    keeps admitting copies ahead of need: nothing is fetched on demand."""
+    activation = 1024 * 64 * 4
+    model = SharedTable(n=8)
+    x = torch.randn(1024, 64)
+    sim = SimulatedStreams(lag=0)
+    engine = streamed_engine(sim, max_offload_bytes=6 * activation + 256, prefetch_bytes=2 * activation)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            loss = model(x)
+        sim.synchronize()  # the way out is done: every offloaded copy must come back over the link
+        loss.backward()
+    stats = engine.stats
+    assert stats.offloaded_bytes == 6 * activation + 256
+    assert stats.fetched_on_demand_bytes == 0 and stats.prefetched_bytes == stats.offloaded_bytes
+
+
+def test_two_forwards_awaiting_one_backward_come_back_latest_forward_first() -> None:
+    """Two forwards under the engine, then one backward through both (a loss over two passes): backward needs the
+    second forward's copies first, so they come back first, in the reverse of their save order, and the gradients
+    are unchanged."""
+    model = Chain(n=4, width=64, growth=16)
+    a_in, b_in = torch.randn(32, 64), torch.randn(7, 64)  # two batch sizes: every copy has its own size
+    (model(a_in) + model(b_in)).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    sim = SimulatedStreams(lag=0)
+    engine = streamed_engine(sim, prefetch_bytes=1 << 30)
+    for _ in range(3):  # later steps have a measured link and a warm pool
+        model.zero_grad(set_to_none=True)
+        sim.log.clear()
+        with engine:
+            a = model(a_in)
+        with engine:
+            b = model(b_in)
+        (a + b).backward()
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
+    out = [n for name, n in sim.log if name == "d2h"]
+    back = [n for name, n in sim.log if name == "h2d"]
+    assert len(set(out)) == len(out) and back == out[::-1]
+    # At most the copy backward needs first (before any prefetch ran: the second forward's last) came on demand.
+    assert engine.stats.fetched_on_demand_bytes <= 7 * 128 * 4
+
+
 def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
     """With ``prefetch_bytes`` at one copy, at most one copy is fetched ahead of need at any time."""
     sim = SimulatedStreams(lag=0)
@@ -302,13 +348,15 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        scale = x[:, :1].exp()  # a small tensor the node saves first (below the large one)
         logits = x.repeat(1, 8)  # the head's large saved tensor (a loss's logits), saved last
-        ctx.save_for_backward(logits)
+        ctx.save_for_backward(scale, logits)
         return logits.sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (logits,) = ctx.saved_tensors
+        # Unpacks both, the small one first: the large one's bytes are not room while this node runs.
+        _, logits = ctx.saved_tensors
         if _HeadLoss.engine is not None:
             # The node still runs: its saved tensor is alive, and it allocates its gradient before that goes.
             _HeadLoss.seen.append(_HeadLoss.engine.collect_stats(wait=False).prefetched_bytes)
