@@ -20,8 +20,9 @@ GiB = 1 << 30
 # Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
 # allocator reshapes its cache for the new plan), the median of the others counts. The median, not the mean: in three
 # of 26 trials on an H200 the first timed step still ran 2-10% slow while the next two agreed within 1% (8B LoRA's 23
-# light blocks: 1211, 1101, 1097 ms), and a mean of 1136 ms then ranked an equal plan ahead of it. The allocator's
-# cache flushes, a cost a plan pays every step near a hard cap, are counted apart (see ``FLUSH_STEP_DOWN``).
+# light blocks: 1211, 1101, 1097 ms), and a mean of 1136 ms then ranked an equal plan ahead of it. But where any timed
+# step made the allocator flush its cache, the mean: near a hard cap a plan may flush every other step, a cost it pays
+# for good, which a median of three steps hides when one of them flushed (see also ``FLUSH_STEP_DOWN``).
 TRIAL_STEPS = 4
 # A plan under trial runs at most this many steps while its steps pin host buffers (those say nothing of its pace).
 _TRIAL_MAX_STEPS = 5
@@ -68,9 +69,10 @@ class PlanTrials:
         return any(self._ms.values())
 
     def timed_plans(self) -> list[tuple[int, int, float, int]]:
-        """The plans timed: blocks checkpointed, bytes offloaded per forward, median device milliseconds per step,
-        blocks recomputing their elementwise operations."""
-        return [(k, nbytes, statistics.median(ms), light) for k, nbytes, light, ms in self.timed_steps()]
+        """The plans timed: blocks checkpointed, bytes offloaded per forward, device milliseconds per step (the median,
+        or the mean where a step flushed the allocator's cache), blocks recomputing their elementwise operations."""
+        timed = [key for key, steps in self._ms.items() if steps]
+        return [(k, nbytes, self._pace((k, split, nbytes, light)), light) for k, split, nbytes, light in timed]
 
     def timed_steps(self) -> list[tuple[int, int, int, list[float]]]:
         """Each timed plan's steps in the order the plans ran: blocks checkpointed, bytes offloaded per forward, blocks
@@ -151,19 +153,22 @@ class PlanTrials:
         return min(lower, key=lambda p: (p.extra_ms, -p.peak)) if lower else None
 
     def fastest(self, plans: Sequence[Plan]) -> Plan | None:
-        """The plan of ``plans`` whose timed steps ran fastest in their median (``None``: none was timed)."""
+        """The plan of ``plans`` whose timed steps ran fastest (their median, or their mean where one flushed the
+        allocator's cache; ``None``: none was timed)."""
         timed = [p for p in plans if self._ms.get(timing_key(p))]
-        return min(timed, key=lambda p: (self._pace_ms(p), p.peak)) if timed else None
+        return min(timed, key=lambda p: (self._pace(timing_key(p)), p.peak)) if timed else None
 
     def _over(self, plan: Plan) -> bool:
         key = timing_key(plan)
         return len(self._ms.get(key, [])) >= TRIAL_STEPS - 1 or self._runs.get(key, 0) >= _TRIAL_MAX_STEPS
 
-    def _pace_ms(self, plan: Plan) -> float:
-        return statistics.median(self._ms[timing_key(plan)])
+    def _pace(self, key: tuple[int, bool, int, int]) -> float:
+        """A timed plan's milliseconds per step: the median of its timed steps, their mean where any flushed."""
+        steps = self._ms[key]
+        return statistics.fmean(steps) if self._flushed.get(key) else statistics.median(steps)
 
     def _summary(self, compared: list[Plan]) -> str:
-        """The trials' outcome in words: each plan's median step."""
+        """The trials' outcome in words: each plan's step (median, or mean where a step flushed)."""
         times = []
         for p in compared:
             light = f"{p.light_blocks} elementwise + " if p.light_blocks else ""
@@ -177,7 +182,7 @@ class PlanTrials:
             flushes = (
                 f" (the allocator flushed its cache in {flushed} of {len(self._ms[key])} steps)" if flushed else ""
             )
-            times.append(f"{what} {self._pace_ms(p):.1f} ms{flushes}")
+            times.append(f"{what} {self._pace(key):.1f} ms{flushes}")
         return f"fastest of {len(compared)} plans timed ({'; '.join(times)}): "
 
 
