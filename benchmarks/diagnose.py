@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="shrink the model (a CPU run of the tool itself)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file to write")
     args = parser.parse_args(argv)
+    if args.plain_steps and args.budget_gib is not None:
+        # The planner's checkpointed blocks stay applied between steps: a step without the engine would not be plain.
+        parser.error("--plain-steps: only with --max-offload-gib (the planner's blocks stay applied under a budget)")
 
     workload = _ALL[args.workload]
     workload = replace(workload, seq=args.seq) if args.seq else workload

@@ -44,6 +44,12 @@ def test_diagnose_takes_a_budget_or_a_manual_limit_not_both(capsys: pytest.Captu
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_diagnose_refuses_plain_steps_under_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        diagnose.main(["--workload", "small-h512", "--budget-gib", "2", "--plain-steps", "2", "--tiny"])
+    assert "--plain-steps: only with --max-offload-gib" in capsys.readouterr().err
+
+
 def test_interleaved_times_plain_and_default_steps_alike(tmp_path: Path) -> None:
     out = tmp_path / "i.json"
     assert interleaved.main(["--workload", "small-h512", "--pairs", "3", "--tiny", "--out", str(out)]) == 0
