@@ -328,14 +328,7 @@ class OffloadEngine:
             inbound.used_resident(view)
         else:
             out = view.rebuild(inbound.bring_back(copy, self._stats))
-            if view.first:
-                view.first = False
-                copy.views_left -= 1
-                if copy.views_left <= 0:
-                    # Autograd now holds what it needs; a second backward (retain_graph) fetches from host again.
-                    # (A source still being copied out stays alive in the outbound queue until its copy is done.)
-                    copy.release_fetched()
-                    copy.src = None
+            inbound.used_offloaded(view)
         inbound.prefetch(self._log.backward_pos, self._stats)
         return out
 

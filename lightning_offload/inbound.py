@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from collections import deque
 
 import torch
 
@@ -45,7 +44,9 @@ class InboundQueue:
         self.cap = cap
         self.queue: list[weakref.ref[StorageCopy]] = []  # lowest position (needed last) first
         self.starts: list[float] = []  # backward position at which each queued copy must start coming back
-        self._ahead: deque[tuple[weakref.ref[StorageCopy], int]] = deque()  # fetched ahead, not yet used
+        # Fetched ahead and not yet used, by ``id`` of the copy: the copy and its bytes. (Used copies leave at their
+        # last unpack, in any order: a copy every block saves comes back first and is used last.)
+        self._ahead: dict[int, tuple[weakref.ref[StorageCopy], int]] = {}
         self.ahead_bytes = 0
         self.grad_reserve: int | None = None
         self.freed_bytes = 0
@@ -65,8 +66,14 @@ class InboundQueue:
         # 14.4 GiB partial offload fetched their 2 x 2 MiB on demand behind 71 ms of prefetches queued on the link, a
         # 73 ms stall in every backward.
         copies = sorted(copies, key=_need_position)
-        # Popped from the end: a later forward (several may await one backward) sits above the earlier ones.
-        self.queue = self.queue + copies
+        # Popped from the end: a later forward (several may await one backward) sits above the earlier ones. What an
+        # earlier forward left that no longer waits (gone, used, fetched) goes: a forward whose graph never runs
+        # backward would otherwise leave its entries below every later one, step after step.
+        self.queue = [ref for ref in self.queue if _waiting(ref)] + copies
+        for key, (ref, nbytes) in list(self._ahead.items()):
+            if ref() is None:  # its graph went without using it
+                del self._ahead[key]
+                self.ahead_bytes -= nbytes
         ends, sizes = [], []
         for ref in self.queue:
             copy = ref()
@@ -83,6 +90,25 @@ class InboundQueue:
         if span is not copy.src:
             self._transfer.await_arrival(copy)
         return span
+
+    def used_offloaded(self, view: SavedView) -> None:
+        """Backward unpacked ``view`` of an offloaded copy. Once all its views are used, autograd holds what it needs:
+        the span fetched back is let go (a second backward, ``retain_graph``, fetches from host again) and no longer
+        counts as fetched ahead. (A source still being copied out stays alive in the outbound queue until its copy is
+        done.)"""
+        if not view.first:
+            return
+        view.first = False
+        copy = view.copy
+        copy.views_left -= 1
+        if copy.views_left > 0:
+            return
+        copy.release_fetched()
+        copy.src = None
+        entry = self._ahead.get(id(copy))
+        if entry is not None and entry[0]() in (copy, None):
+            del self._ahead[id(copy)]
+            self.ahead_bytes -= entry[1]
 
     def reserve_for_gradients(self, parameters: list[torch.Tensor]) -> None:
         """Backward allocates the trainable ``parameters``' gradients while it frees activations: that much of
@@ -111,9 +137,6 @@ class InboundQueue:
         self._credit_freed(backward_pos)
         if self.hold_above is not None:
             return
-        ahead = self._ahead
-        while ahead and _used(ahead[0][0]):
-            self.ahead_bytes -= ahead.popleft()[1]
         queue, starts = self.queue, self.starts
         # Room that backward freed: bytes fetched into it take the place of bytes that left, so the peak does not
         # move and they may come back before their planned start. On an H200, 8B LoRA's 16 GiB partial offload stalled
@@ -125,9 +148,9 @@ class InboundQueue:
             copy = queue[-1]()
             nbytes = copy.nbytes if copy is not None else 0
             if starts[-1] < backward_pos:  # not due yet: only into freed room
-                if not self._fits_ahead(nbytes, room):
+                if self.ahead_bytes + nbytes > room:
                     return
-            elif copy is not None and self.ahead_bytes and not self._fits_ahead(nbytes, cap, alone=True):
+            elif copy is not None and self.ahead_bytes and self.ahead_bytes + nbytes > cap:
                 return  # memory bound: the rest follows as backward consumes what came back
             queue.pop()
             starts.pop()
@@ -137,19 +160,9 @@ class InboundQueue:
                 copy.fetched = copy.src  # still on the device (its copy out is in flight): keep it, fetch nothing
             else:
                 self._fetch(copy, stats, on_demand=False)
-            ahead.append((weakref.ref(copy), copy.nbytes))
-            self.ahead_bytes += copy.nbytes
-
-    def _fits_ahead(self, nbytes: int, bound: int, alone: bool = False) -> bool:
-        """Whether ``nbytes`` more fetched ahead stay within ``bound`` (``alone``: or would be the only ones). Counts
-        only copies still waiting for backward: one fetched first may stay long (a tensor every block saves is used
-        by each block, the last at the bottom) while those fetched after it are used and released."""
-        if self.ahead_bytes + nbytes <= bound:
-            return True
-        waiting = [entry for entry in self._ahead if not _used(entry[0])]
-        self._ahead = deque(waiting)
-        self.ahead_bytes = sum(n for _, n in waiting)
-        return self.ahead_bytes + nbytes <= bound or (alone and not self.ahead_bytes)
+            stale = self._ahead.pop(id(copy), None)  # a dead copy's entry under a reused id
+            self.ahead_bytes += copy.nbytes - (stale[1] if stale is not None else 0)
+            self._ahead[id(copy)] = (weakref.ref(copy), copy.nbytes)
 
     def _credit_freed(self, backward_pos: int) -> None:
         """Count as freed the resident bytes whose node has run: another node unpacks now (autograd runs one node
@@ -188,10 +201,10 @@ def _need_position(ref: weakref.ref[StorageCopy]) -> int:
     return copy.need_pos if copy is not None else -1
 
 
-def _used(ref: weakref.ref[StorageCopy]) -> bool:
-    """Whether a copy fetched ahead is no longer waiting: gone, or used by backward and released."""
+def _waiting(ref: weakref.ref[StorageCopy]) -> bool:
+    """Whether a queued copy still waits to come back: alive, on the host, not fetched, and not used."""
     copy = ref()
-    return copy is None or copy.fetched is None
+    return copy is not None and copy.state is State.OFFLOADED and copy.fetched is None and copy.views_left > 0
 
 
 _current_node = getattr(torch._C, "_current_autograd_node", None)

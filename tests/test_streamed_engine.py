@@ -202,6 +202,27 @@ def test_two_forwards_awaiting_one_backward_come_back_latest_forward_first() -> 
     assert engine.stats.fetched_on_demand_bytes <= 7 * 128 * 4
 
 
+def test_a_forward_that_never_runs_backward_leaves_nothing_queued_for_later_steps() -> None:
+    """Each step also runs a forward it only logs (its graph is dropped without a backward). Its copies must not
+    stay queued below the next forwards' ones: the queue holds at most what the live graphs still wait for."""
+    model = Chain(n=6, width=64)
+    x = torch.randn(256, 64)
+    sim = SimulatedStreams(lag=0)
+    engine = streamed_engine(sim, prefetch_bytes=256 * 64 * 4)
+    lengths = []
+    for _ in range(6):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            logged = model(x)  # a value to log; its graph goes away unused
+        with engine:
+            loss = model(x)
+        loss.backward()
+        del logged
+        lengths.append(len(engine._inbound.queue))  # type: ignore[union-attr]
+    copies = engine.stats.offloaded_tensors or 1
+    assert max(lengths) <= copies and lengths[-1] == lengths[1], lengths
+
+
 def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
     """With ``prefetch_bytes`` at one copy, at most one copy is fetched ahead of need at any time."""
     sim = SimulatedStreams(lag=0)
