@@ -96,13 +96,9 @@ class InboundQueue:
         the span fetched back is let go (a second backward, ``retain_graph``, fetches from host again) and no longer
         counts as fetched ahead. (A source still being copied out stays alive in the outbound queue until its copy is
         done.)"""
-        if not view.first:
+        if not _last_use(view):
             return
-        view.first = False
         copy = view.copy
-        copy.views_left -= 1
-        if copy.views_left > 0:
-            return
         copy.release_fetched()
         copy.src = None
         entry = self._ahead.get(id(copy))
@@ -118,11 +114,8 @@ class InboundQueue:
     def used_resident(self, view: SavedView) -> None:
         """Backward unpacked ``view`` of a copy that stayed on the device; once all its views are used, autograd
         releases the bytes when the node that unpacked them has run (:attr:`freed_bytes` counts them then)."""
-        if view.first:
-            view.first = False
-            view.copy.views_left -= 1
-            if view.copy.views_left <= 0:
-                self._freeing.append((view.position, view.copy.nbytes, _running_node()))
+        if _last_use(view):
+            self._freeing.append((view.position, view.copy.nbytes, _running_node()))
 
     def left_head(self, backward_pos: int) -> bool:
         """Whether backward, at ``backward_pos``, just left the held head (true once per backward)."""
@@ -199,6 +192,15 @@ def _need_position(ref: weakref.ref[StorageCopy]) -> int:
     """Where backward first needs a queued copy (a copy already gone sorts first: it is dropped when reached)."""
     copy = ref()
     return copy.need_pos if copy is not None else -1
+
+
+def _last_use(view: SavedView) -> bool:
+    """Note backward's first unpack of ``view``; whether it was the last of its copy's views to be used."""
+    if not view.first:
+        return False
+    view.first = False
+    view.copy.views_left -= 1
+    return view.copy.views_left <= 0
 
 
 def _waiting(ref: weakref.ref[StorageCopy]) -> bool:
