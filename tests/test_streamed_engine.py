@@ -30,6 +30,16 @@ def streamed_engine(sim: SimulatedStreams, **kwargs: Any) -> OffloadEngine:
     return OffloadEngine(OffloadOptions.create("test", **options), streams=sim)
 
 
+def step_after_the_way_out(engine: OffloadEngine, sim: SimulatedStreams, model: nn.Module, loss_of: Any) -> None:
+    """One training step whose copies out are done before backward: every offloaded copy must come back over the
+    link. ``loss_of()`` runs forward under the engine."""
+    model.zero_grad(set_to_none=True)
+    with engine:
+        loss = loss_of()
+    sim.synchronize()
+    loss.backward()
+
+
 class Chain(nn.Module):
     """``n`` linear + tanh layers whose widths grow: every saved activation has its own size, in save order."""
 
@@ -166,11 +176,7 @@ def test_a_tensor_every_block_saves_does_not_hold_the_prefetch_cap_after_the_cop
     sim = SimulatedStreams(lag=0)
     engine = streamed_engine(sim, max_offload_bytes=6 * activation + 256, prefetch_bytes=2 * activation)
     for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        with engine:
-            loss = model(x)
-        sim.synchronize()  # the way out is done: every offloaded copy must come back over the link
-        loss.backward()
+        step_after_the_way_out(engine, sim, model, lambda: model(x))
     stats = engine.stats
     assert stats.offloaded_bytes == 6 * activation + 256
     assert stats.fetched_on_demand_bytes == 0 and stats.prefetched_bytes == stats.offloaded_bytes
@@ -251,11 +257,7 @@ def test_prefetch_reaches_past_the_cap_into_what_backward_freed() -> None:
         )  # fmt: skip
         engine = OffloadEngine(options, model=model if with_model else None, streams=sim)
         for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            with engine:
-                loss = model(x)
-            sim.synchronize()  # the way out is done: every offloaded copy must come back over the link
-            loss.backward()
+            step_after_the_way_out(engine, sim, model, lambda: model(x))
         stats = engine.stats
         resident = stats.eligible_bytes - stats.offloaded_bytes
         assert stats.offloaded_bytes == 4 * size and resident > 2 * size + grad_bytes
@@ -350,11 +352,7 @@ def test_copies_come_back_before_their_planned_start_into_what_backward_freed(mo
     )  # fmt: skip
     engine = OffloadEngine(options, model=model, streams=sim)
     for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        with engine:
-            loss = model(x)
-        sim.synchronize()
-        loss.backward()
+        step_after_the_way_out(engine, sim, model, lambda: model(x))
         assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
     stats = engine.stats
     assert stats.offloaded_bytes == 4 * size and stats.fetched_on_demand_bytes == 0
@@ -411,11 +409,7 @@ def test_bytes_a_node_still_holds_are_not_room_for_copies_until_it_has_run() -> 
     try:
         for _ in range(2):
             _HeadLoss.seen.clear()
-            model.zero_grad(set_to_none=True)
-            with engine:
-                loss = loss_of(x)
-            sim.synchronize()
-            loss.backward()
+            step_after_the_way_out(engine, sim, model, lambda: loss_of(x))
             assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
     finally:
         _HeadLoss.engine = None
