@@ -1,20 +1,39 @@
-"""``python -m benchmarks.interleaved``: what ``offload_activations()`` (the default) costs where the model fits,
-timed in alternating steps.
+"""``python -m benchmarks.interleaved``: what our modes cost against plain steps and against AC, timed in alternating
+steps.
 
 The workload benchmark runs its rows one after another, so a small model's host-bound steps (12-18 ms for
 small-h512 on an H200) drift by more than the difference being measured: its ``none`` row's own steps rose from 15 to
-17.5 ms within one row. Here plain steps and steps under the default engine alternate (after the engine's measuring
-steps and a warm-up), so drift touches both alike; the ratio of their medians is the default's cost.
+17.5 ms within one row, and five rows in one process (none / default / none / default / none) ran 13.1 / 15.6 / 18.2
+/ 14.2 / 17.5 ms. Here every arm takes one step in turn (the order rotates each round), after each arm's warm-up (an
+engine's measuring steps and plan trials included), so drift touches all arms alike; ratios of their medians are
+what each costs.
 
-    python -m benchmarks.interleaved --workload small-h512 --pairs 100 --out $OUT/interleaved.json
+Arms (each one that changes the model gets a copy of its own, with the same weights):
+
+- ``none``: plain steps. ``default``: ``offload_activations()`` with no argument, on ``none``'s model.
+- ``ac``: the benchmark's AC (Hugging Face's non-reentrant checkpointing of every decoder layer).
+- ``ckpt``: our ``apply_checkpointing(model, "auto")`` of every block, no engine.
+- ``ckpt+offload-<MiB>mib``: ``ckpt`` plus an engine offloading the first MiB saved in each forward (no planner).
+- ``budget-<F>x``: ``memory_budget`` = F x ``none``'s peak allocated memory (measured here first), the planner on.
+- ``budget-<G>gib``: ``memory_budget`` = G GiB.
+
+No hard memory cap applies here (the arms share one process): a budget arm's planner may choose another plan than
+under a cap (the benchmark's budget rows), and the JSON records the plan each arm ran.
+
+    python -m benchmarks.interleaved --workload small-h512 --arms none,default,ac,budget-0.9x --rounds 100 \
+        --out $OUT/interleaved.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import re
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +42,55 @@ import torch
 from benchmarks import models
 from benchmarks.workloads import WORKLOADS, tiny
 from lightning_offload import offload_activations
+from lightning_offload.checkpointing import apply_checkpointing
 
-# The default engine's two measuring steps, its first planned step and one more.
+# Steps each arm runs before timing: the default engine's two measuring steps, its first planned step and one more.
 _WARMUP_STEPS = 4
+# A planner under a budget also times candidate plans (about 20-28 steps); it settles within this many.
+_PLANNER_WARMUP_STEPS = 40
+_ARM_PATTERNS = (
+    r"none",
+    r"default",
+    r"ac",
+    r"ckpt",
+    r"ckpt\+offload-(\d+(?:\.\d+)?)mib",
+    r"budget-(\d+(?:\.\d+)?)x",
+    r"budget-(\d+(?:\.\d+)?)gib",
+)
+_ARMS_HELP = "none, default, ac, ckpt, ckpt+offload-<MiB>mib, budget-<F>x, budget-<G>gib"
+
+
+@dataclass
+class _Arm:
+    name: str
+    bench: models.BenchModel
+    optimizer: torch.optim.Optimizer
+    context: Callable[[], Any]
+    engine: Any = None
+    warmup: int = _WARMUP_STEPS
+    times: list[float] = field(default_factory=list)
+
+
+def _arm_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"--arms: give at least one of {_ARMS_HELP}")
+    for name in names:
+        if not any(re.fullmatch(pattern, name) for pattern in _ARM_PATTERNS):
+            raise argparse.ArgumentTypeError(f"--arms: unknown arm {name!r}; allowed: {_ARMS_HELP}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--arms: {text!r} names an arm twice")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="small-h512", choices=sorted(WORKLOADS))
-    parser.add_argument("--pairs", type=int, default=100, help="timed (plain, default) step pairs")
+    parser.add_argument("--arms", type=_arm_names, default=["none", "default"], help=f"comma-separated: {_ARMS_HELP}")
+    parser.add_argument("--rounds", "--pairs", type=int, default=100, help="timed steps per arm")
+    parser.add_argument(
+        "--min-tensor-bytes", type=int, default=None, help="the engines' min_tensor_bytes (default: the engine's)"
+    )
     parser.add_argument("--tiny", action="store_true", help="shrink the model (a CPU run of the tool itself)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON file to write")
     args = parser.parse_args(argv)
@@ -40,44 +99,129 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    bench = models.build(workload, device)
+    plain = models.build(workload, device)
     ids = torch.randint(0, workload.vocab, (workload.batch, workload.seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    optimizer = torch.optim.AdamW([p for _, p in bench.trainable()], lr=1e-5, **({"fused": True} if cuda else {}))
-    engine = offload_activations() if cuda else offload_activations(compute_device="cpu")
+    device_kwargs: dict[str, Any] = {} if cuda else {"compute_device": "cpu"}
+    if args.min_tensor_bytes is not None:
+        device_kwargs["min_tensor_bytes"] = args.min_tensor_bytes
 
-    def step(context: Any) -> float:
-        return bench.timed_step(context, optimizer, ids)
+    def optimizer_for(bench: models.BenchModel) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for _, p in bench.trainable()], lr=1e-5, **({"fused": True} if cuda else {}))
 
+    plain_optimizer = optimizer_for(plain)
+    none_peak = _plain_peak(plain, plain_optimizer, ids) if any(n.endswith("x") for n in args.arms) else None
+    arms: list[_Arm] = []
     try:
-        for _ in range(_WARMUP_STEPS):
-            step(engine)
-            step(contextlib.nullcontext())
-        plain: list[float] = []
-        default: list[float] = []
-        for index in range(2 * args.pairs):
-            # Alternate which goes first, so neither always follows the other.
-            if (index // 2) % 2 == index % 2:
-                plain.append(step(contextlib.nullcontext()))
-            else:
-                default.append(step(engine))
-        plan = engine.planner.plan if engine.planner is not None else None
+        for name in args.arms:
+            arms.append(_make_arm(name, plain, plain_optimizer, optimizer_for, none_peak, device_kwargs))
+        for arm in arms:  # warm up one arm at a time: a planner's trials time plans against each other
+            for _ in range(arm.warmup):
+                arm.bench.timed_step(arm.context(), arm.optimizer, ids)
+        for index in range(args.rounds):
+            shift = index % len(arms)  # each arm goes first (and follows each other arm) as often as the others
+            for arm in arms[shift:] + arms[:shift]:
+                arm.times.append(arm.bench.timed_step(arm.context(), arm.optimizer, ids))
+        result = _result(workload, args.rounds, arms, none_peak)
     finally:
-        engine.close()
-    result = {
-        "workload": workload.as_dict(),
-        "pairs": args.pairs,
-        "plain_ms": statistics.median(plain) * 1e3,
-        "default_ms": statistics.median(default) * 1e3,
-        "ratio": statistics.median(default) / statistics.median(plain),
-        "plan": None
-        if plan is None
-        else f"ckpt {plan.checkpoint_blocks}{' by parts' if plan.split else ''}, offload {plan.offload_bytes} bytes",
-    }
+        for arm in arms:
+            if arm.engine is not None:
+                arm.engine.close()
     print(json.dumps(result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _make_arm(
+    name: str,
+    plain: models.BenchModel,
+    plain_optimizer: torch.optim.Optimizer,
+    optimizer_for: Callable[[models.BenchModel], torch.optim.Optimizer],
+    none_peak: int | None,
+    device_kwargs: dict[str, Any],
+) -> _Arm:
+    if name == "none":
+        return _Arm(name, plain, plain_optimizer, contextlib.nullcontext)
+    if name == "default":  # what a user gets: no argument, the user's own model
+        engine = offload_activations(**{k: v for k, v in device_kwargs.items() if k == "compute_device"})
+        return _Arm(name, plain, plain_optimizer, lambda: engine, engine)
+    bench = _copy(plain)
+    optimizer = optimizer_for(bench)
+    if name == "ac":
+        bench.enable_ac()
+        return _Arm(name, bench, optimizer, contextlib.nullcontext)
+    if name == "ckpt" or name.startswith("ckpt+"):
+        apply_checkpointing(bench.module, "auto")
+        if name == "ckpt":
+            return _Arm(name, bench, optimizer, contextlib.nullcontext)
+        limit = int(float(name.removeprefix("ckpt+offload-").removesuffix("mib")) * 2**20)
+        # The first bytes saved leave, as a planner's offload limit sends them (no resident tail held back).
+        engine = offload_activations(
+            memory_budget=None, max_offload_bytes=limit, resident_tail_bytes=0, model=bench.module, **device_kwargs
+        )
+        return _Arm(name, bench, optimizer, lambda: engine, engine)
+    # budget-<F>x or budget-<G>gib
+    value = name.removeprefix("budget-")
+    if value.endswith("gib"):
+        budget = int(float(value.removesuffix("gib")) * 2**30)
+    else:
+        assert none_peak is not None
+        budget = int(float(value.removesuffix("x")) * none_peak)
+    engine = offload_activations(memory_budget=budget, model=bench.module, **device_kwargs)
+    return _Arm(name, bench, optimizer, lambda: engine, engine, warmup=_PLANNER_WARMUP_STEPS)
+
+
+def _copy(bench: models.BenchModel) -> models.BenchModel:
+    """Another model with the same weights (its own parameters: checkpointing wrappers change the module)."""
+    module = copy.deepcopy(bench.module)
+    hf_base = None
+    if bench.hf_base is not None:
+        hf_base = module.get_base_model() if bench.lora == "peft" else module
+    return models.BenchModel(module=module, impl=bench.impl, lora=bench.lora, hf_base=hf_base)
+
+
+def _plain_peak(bench: models.BenchModel, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> int:
+    """``none``'s peak allocated bytes in a step after the optimizer made its state (the budget arms' reference)."""
+    bench.timed_step(contextlib.nullcontext(), optimizer, ids)
+    if ids.device.type != "cuda":
+        return 2**30  # the CPU has no allocator statistics: budgets are then nominal (a run of the tool itself)
+    torch.cuda.reset_peak_memory_stats(ids.device)
+    bench.timed_step(contextlib.nullcontext(), optimizer, ids)
+    return torch.cuda.max_memory_allocated(ids.device)
+
+
+def _plan_text(engine: Any) -> str | None:
+    planner = getattr(engine, "planner", None) if engine is not None else None
+    plan = getattr(planner, "plan", None)
+    if plan is None:
+        return None
+    return f"ckpt {plan.checkpoint_blocks}{' by parts' if plan.split else ''}, offload {plan.offload_bytes} bytes"
+
+
+def _result(workload: Any, rounds: int, arms: list[_Arm], none_peak: int | None) -> dict[str, Any]:
+    medians = {arm.name: statistics.median(arm.times) for arm in arms}
+    result: dict[str, Any] = {
+        "workload": workload.as_dict(),
+        "rounds": rounds,
+        "none_peak_bytes": none_peak,
+        "arms": {
+            arm.name: {
+                "median_ms": medians[arm.name] * 1e3,
+                "times_ms": [t * 1e3 for t in arm.times],
+                "plan": _plan_text(arm.engine),
+                "offloaded_bytes": arm.engine.stats.offloaded_bytes if arm.engine is not None else 0,
+            }
+            for arm in arms
+        },
+    }
+    for reference in ("none", "ac"):
+        if reference in medians:
+            result[f"ratio_to_{reference}"] = {name: m / medians[reference] for name, m in medians.items()}
+    if "none" in medians and "default" in medians:  # the figure the first version of this tool wrote
+        result["plain_ms"], result["default_ms"] = medians["none"] * 1e3, medians["default"] * 1e3
+        result["ratio"] = medians["default"] / medians["none"]
+    return result
 
 
 if __name__ == "__main__":

@@ -256,12 +256,12 @@ class OffloadEngine:
             # activations; on an H200 Llama-1B's floor budget went from checkpointing at 1.24x to offloading at 3.2x.)
             outbound.tail = 0
             self._offloading_starts()
-        ref = StorageWeakRef(tensor.untyped_storage())
-        copy = log.find(ref.cdata, start, end, tensor._version)
+        storage = tensor.untyped_storage()
+        copy = log.find(storage._cdata, start, end, tensor._version)
         off = self.options.mode == "off"
         if copy is None:
-            copy = StorageCopy(tensor, ref, lo, hi, producer_stream(self._transfer))
-            log.add(copy, ref.cdata)
+            copy = StorageCopy(tensor, StorageWeakRef(storage), lo, hi, producer_stream(self._transfer))
+            log.add(copy, storage._cdata)
             stats.eligible_bytes += copy.nbytes
             if off:
                 # Count only (each storage span once): the record lives until forward ends, for dedup.

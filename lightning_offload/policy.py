@@ -147,7 +147,7 @@ def offload_span(
     storage_nbytes = storage.nbytes()
     if storage_nbytes < min_bytes or offload_suppressed() or backward_running() or is_parameter_like(tensor):
         return None
-    if len(params) and StorageWeakRef(storage).cdata in params:
+    if len(params) and storage._cdata in params:  # the key a weak reference holds, without making one
         return None
     start, end = byte_span(tensor)
     lo, hi = copy_span(start, end, storage_nbytes)

@@ -67,6 +67,8 @@ def test_tiny_pipeline_writes_json_markdown_and_plot(tmp_path: Path) -> None:
                 assert row[key] is not None, (name, mode, key)
             # Checkpointing and offloading restore bit-identical tensors on the CPU.
             assert row["grad_rel_diff"] == 0.0, (name, mode)
+            if mode == "none":  # and the CPU's kernels repeat a step exactly: no noise to allow for
+                assert row["grad_noise"] == 0.0, name
             if MODES[mode].engine is not None:
                 assert "offloaded_bytes" in row["engine"] and "offloaded_gib" in row
         if "streamed-all" in rows:
@@ -523,6 +525,18 @@ def test_gradient_agreement_and_failed_rows() -> None:
     edge[1]["grad_rel_diff"] = 2.1e-2
     assert _by_key([_result("llama1b-s4k", edge)])["G"].status == "missed"
     assert _by_key([_result("llama1b-s4k", rows[:1])])["G"].status == "n/a"
+
+
+def test_gradient_tolerance_widens_to_twice_what_none_differs_from_itself() -> None:
+    rows = [_row("none", 1.0, 30.0, grad_noise=1.5e-2), _row("streamed", 1.2, 20.0, grad=2.9e-2)]
+    verdict = _by_key([_result("llama8b-lora-s8k", rows)])["G"]
+    assert verdict.status == "met" and "llama8b-lora-s8k 1.5e-02" in verdict.detail
+    rows[1]["grad_rel_diff"] = 3.1e-2  # beyond twice the noise
+    verdict = _by_key([_result("llama8b-lora-s8k", rows)])["G"]
+    assert verdict.status == "missed" and "3.10e-02 (tolerance 3.00e-02)" in verdict.detail
+    # Noise below the fixed tolerance does not narrow it.
+    rows = [_row("none", 1.0, 30.0, grad_noise=1e-4), _row("streamed", 1.2, 20.0, grad=report.GRAD_TOLERANCE)]
+    assert _by_key([_result("llama8b-lora-s8k", rows)])["G"].status == "met"
 
 
 def test_markdown_and_terminal_table_render_every_row() -> None:

@@ -54,8 +54,35 @@ def test_interleaved_times_plain_and_default_steps_alike(tmp_path: Path) -> None
     out = tmp_path / "i.json"
     assert interleaved.main(["--workload", "small-h512", "--pairs", "3", "--tiny", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["pairs"] == 3 and result["plain_ms"] > 0 and result["default_ms"] > 0
+    assert result["rounds"] == 3 and result["plain_ms"] > 0 and result["default_ms"] > 0
     assert result["ratio"] == pytest.approx(result["default_ms"] / result["plain_ms"])
+
+
+def test_interleaved_runs_every_kind_of_arm_on_its_own_model_in_turn(tmp_path: Path) -> None:
+    out = tmp_path / "i.json"
+    arms = "none,ac,ckpt,ckpt+offload-0.01mib,budget-0.9x,budget-1gib"
+    argv = ["--arms", arms, "--rounds", "2", "--min-tensor-bytes", "0", "--tiny", "--out", str(out)]
+    assert interleaved.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert list(result["arms"]) == arms.split(",")
+    assert all(len(arm["times_ms"]) == 2 for arm in result["arms"].values())
+    assert result["ratio_to_none"]["none"] == 1.0 and result["ratio_to_ac"]["ac"] == 1.0
+    # The manual arm offloads what its limit allows (the checkpointed blocks' inputs), the others nothing.
+    assert 0 < result["arms"]["ckpt+offload-0.01mib"]["offloaded_bytes"] <= 0.01 * 2**20
+    assert result["arms"]["ckpt"]["offloaded_bytes"] == result["arms"]["ac"]["offloaded_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("arms", "message"),
+    [("none,warp", "unknown arm 'warp'"), ("none,none", "names an arm twice"), ("budget-x", "unknown arm")],
+)
+def test_interleaved_refuses_unknown_or_repeated_arms(
+    arms: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        interleaved.main(["--arms", arms, "--tiny"])
+    err = capsys.readouterr().err
+    assert "--arms" in err and message in err
 
 
 class _Counter:
