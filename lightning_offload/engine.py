@@ -164,7 +164,7 @@ class OffloadEngine:
         """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``)."""
         if tensors is None:
             model = self._model_ref() if self._model_ref is not None else None
-            tensors = [] if model is None else [*model.parameters(), *model.buffers()]
+            tensors = [] if model is None else policy.parameters_and_buffers(model)
             if model is not None and self._inbound is not None:
                 self._inbound.reserve_for_gradients(tensors)
         self._params.update(tensors)

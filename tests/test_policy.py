@@ -14,6 +14,7 @@ from lightning_offload.policy import (
     backward_running,
     is_parameter_like,
     offload_suppressed,
+    parameters_and_buffers,
     plain_dense,
 )
 from tests.models import assert_same_grads, make_engine, probe, tanh_chain
@@ -256,6 +257,34 @@ def test_parameter_storages_by_live_storage_identity() -> None:
     assert key(layer.weight.detach().clone()) not in params
     params.update([layer.weight])
     assert len(params) == 1 and key(layer.running_mean) not in params
+
+
+def test_parameter_storages_follow_a_storage_swapped_under_the_same_parameter() -> None:
+    """FSDP-like code gives a parameter a new storage between steps: ``update`` with the same tensors then matches the
+    new storage and no longer the old one; with nothing changed, the set (and its references) stay as they are."""
+    layer = nn.Linear(4, 4)
+    params = ParameterStorages([layer.weight, layer.bias])
+    old = layer.weight.detach()
+    refs = params._refs
+    params.update([layer.weight, layer.bias])
+    assert params._refs is refs  # the same storages: nothing re-made
+    with torch.no_grad():
+        layer.weight.data = torch.zeros(4, 4)
+    params.update([layer.weight, layer.bias])
+    assert layer.weight.untyped_storage()._cdata in params
+    assert old.untyped_storage()._cdata not in params and len(params) == 2
+
+
+def test_parameters_and_buffers_lists_each_tensor_once_in_one_walk() -> None:
+    """Tied weights, a block registered twice and every module's buffers: each tensor once, as the model's own
+    ``parameters()`` and ``buffers()`` list them together."""
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Embedding(10, 4), shared, nn.BatchNorm1d(4), shared, nn.Linear(4, 10))
+    model[4].weight = model[0].weight  # tied
+    found = parameters_and_buffers(model)
+    expected = [*model.parameters(), *model.buffers()]
+    assert len(found) == len(expected) == 9
+    assert {id(t) for t in found} == {id(t) for t in expected}
 
 
 def test_plain_dense_and_backward_running() -> None:
