@@ -4,6 +4,10 @@ A single device call may not fit every workload (each call is time-limited), so 
 and are merged here. Each workload's rows still come from one process; for a workload present in several runs,
 the last run given wins. The report names the run each workload came from. Capacity runs (``--capacity``) merge
 per model and cap into a capacity section of the same report, the later run winning per mode.
+
+Files written by ``python -m benchmarks.interleaved`` with a ``none`` and a ``default`` arm may be given too: the
+default's cost in alternating steps is attached to that workload (the last such file wins) and B4 is judged by it
+there, the sequential rows' ratio shown next to it (a host-bound model's later rows run slower whatever they run).
 """
 
 from __future__ import annotations
@@ -20,7 +24,17 @@ def merge(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """One results document from ``runs`` (as ``python -m benchmarks`` writes them, with or without --capacity)."""
     by_workload: dict[str, dict[str, Any]] = {}
     by_cap: dict[tuple[str, float], dict[str, Any]] = {}
+    alternating: dict[str, dict[str, Any]] = {}
     for run in runs:
+        if "arms" in run:  # python -m benchmarks.interleaved
+            arms = run["arms"]
+            if "none" in arms and "default" in arms:
+                alternating[run["workload"]["name"]] = {
+                    "ratio": arms["default"]["median_ms"] / arms["none"]["median_ms"],
+                    "steps": run["rounds"],
+                    "source_run": run["name"],
+                }
+            continue
         for result in run.get("results", []):
             if result.get("rows"):
                 by_workload[result["workload"]["name"]] = {**result, "source_run": run["name"]}
@@ -29,10 +43,15 @@ def merge(runs: list[dict[str, Any]], name: str) -> dict[str, Any]:
             if searched:
                 key = (result["model"]["name"], result["cap_gib"])
                 by_cap[key] = _merge_searches(by_cap.get(key), result, searched, run["name"])
+    for workload, measured in alternating.items():
+        if workload in by_workload:
+            by_workload[workload]["default_alternating"] = measured
     results = [report.derive(result) for result in by_workload.values()]
     merged: dict[str, Any] = {
         "name": name,
-        "runs": {run["name"]: {k: run.get(k) for k in ("created", "wall_s", "args")} for run in runs},
+        "runs": {
+            run["name"]: {k: run.get(k) for k in ("created", "wall_s", "args")} for run in runs if "arms" not in run
+        },
         "results": results,
         "verdicts": report.verdicts_json(results),
     }
@@ -79,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-name", default="h200", help="names the outputs <out>/<name>.{json,md,png}")
     args = parser.parse_args(argv)
     runs = [json.loads(path.read_text()) for path in args.runs]
+    for run, path in zip(runs, args.runs, strict=True):
+        run.setdefault("name", path.stem)  # an interleaved file has no name of its own
     merged = merge(runs, args.device_name)
     if not merged["results"] and not merged.get("capacity"):
         print(f"nothing measured in {[str(p) for p in args.runs]}: no report written to {args.out}")

@@ -112,3 +112,31 @@ def test_a_capacity_run_of_one_mode_keeps_the_other_modes_of_an_earlier_run() ->
     longest = {s["mode"]: s["longest"] for s in result["searches"]}
     assert longest == {"ac": 45056, "ours-budget": 47104}
     assert result["source_run"] == "ac from cap-b, ours-budget from cap-a"
+
+
+def _interleaved(workload: str, none_ms: float, default_ms: float) -> dict:
+    arms = {"none": {"median_ms": none_ms}, "default": {"median_ms": default_ms}, "ac": {"median_ms": 3 * none_ms}}
+    return {"workload": {"name": workload}, "rounds": 200, "arms": arms}
+
+
+def test_an_alternating_measurement_judges_the_default_where_it_was_made(tmp_path: Path) -> None:
+    run = _run("run-a", {"w1": 1.0, "w2": 1.0})
+    for result in run["results"]:
+        for row in result["rows"]:
+            row["mode"] = "ours-default" if row["mode"] == "off" else row["mode"]
+    rows = run["results"][0]["rows"]
+    rows[1]["step_s"] = 1.3  # w1's sequential rows: the default 1.3x
+    (tmp_path / "run-a.json").write_text(json.dumps(run))
+    (tmp_path / "alt-w1.json").write_text(json.dumps(_interleaved("w1", 10.0, 10.1)))
+    (tmp_path / "alt-other.json").write_text(json.dumps(_interleaved("elsewhere", 10.0, 20.0)))
+    argv = [str(tmp_path / n) for n in ("run-a.json", "alt-w1.json", "alt-other.json")]
+    assert main([*argv, "--out", str(tmp_path), "--device-name", "m"]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    b4 = next(v for v in merged["verdicts"] if v["key"] == "B4")
+    assert b4["status"] == "met"
+    assert "w1: 1.010x in alternating steps (200 each, `alt-w1`; the sequential rows 1.300x)" in b4["detail"]
+    assert "w2: 1.000x" in b4["detail"] and "elsewhere" not in b4["detail"]  # no rows there: nothing to attach to
+    assert merged["runs"].keys() == {"run-a"}
+    # Without the alternating file the sequential ratio judges, and misses.
+    merged = merge([json.loads((tmp_path / "run-a.json").read_text())], "m")
+    assert next(v for v in merged["verdicts"] if v["key"] == "B4")["status"] == "missed"
