@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 SPAN_ALIGN = 512
 
 
+_UNMADE = object()  # a copy's byte view not made yet
+
+
 class State(enum.Enum):
     PENDING = "pending"  # saved, still on the device, may be offloaded later (resident tail / pacing)
     RESIDENT = "resident"  # stays on the device for good
@@ -32,6 +35,7 @@ class StorageCopy:
 
     __slots__ = (
         "__weakref__",
+        "_src",
         "alias",
         "d2h_done",
         "end_pos",
@@ -46,7 +50,6 @@ class StorageCopy:
         "need_pos",
         "pool",
         "producer",
-        "src",
         "state",
         "storage_ref",
         "version",
@@ -54,14 +57,10 @@ class StorageCopy:
     )
 
     def __init__(self, tensor: torch.Tensor, storage_ref: StorageWeakRef, lo: int, hi: int, producer: object) -> None:
-        storage = tensor.untyped_storage()
         self.storage_ref = storage_ref  # keeps the storage's identity unique while this record lives
         self.version = tensor._version
         self.lo, self.hi = lo, hi
-        # A flat byte view of the span: copies move raw bytes, whatever the dtype, strides or offset.
-        self.src: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-            storage, lo, (hi - lo,), (1,)
-        )
+        self._src: torch.Tensor | object | None = _UNMADE  # see ``src``
         self.producer = producer  # the stream that was current when the tensor was saved
         # Shares the saved tensor's version counter for as long as the device bytes may still be read (resident, or
         # a copy out not yet known to be done): an in-place change after the save is then an error autograd would
@@ -88,6 +87,26 @@ class StorageCopy:
     @property
     def nbytes(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def src(self) -> torch.Tensor | None:
+        """A flat byte view of the span on the device (copies move raw bytes, whatever the dtype, strides or offset),
+        or ``None`` once the device bytes are let go. Made at first use: most copies that stay are never asked for
+        it (their first view is served by ``alias``), and making it costs a tensor per saved tensor."""
+        src = self._src
+        if src is _UNMADE:
+            alias = self.alias
+            src = None
+            if alias is not None:
+                src = torch.empty(0, dtype=torch.uint8, device=alias.device).set_(
+                    alias.untyped_storage(), self.lo, (self.hi - self.lo,), (1,)
+                )
+            self._src = src
+        return src  # type: ignore[return-value]
+
+    @src.setter
+    def src(self, value: torch.Tensor | None) -> None:
+        self._src = value
 
     def check_version(self, saved_version: int) -> None:
         """Raise autograd's in-place error if the saved bytes were (or may have been) changed since the save."""
@@ -142,10 +161,15 @@ class StorageCopy:
 class SavedView:
     """What autograd holds instead of an offloadable tensor: how to rebuild it from its ``StorageCopy``."""
 
-    __slots__ = ("copy", "dtype", "first", "offset", "position", "size", "stride", "version")
+    __slots__ = ("copy", "dtype", "first", "offset", "position", "primary", "size", "stride", "version")
 
-    def __init__(self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int, position: int) -> None:
+    def __init__(
+        self, copy: StorageCopy, tensor: torch.Tensor, byte_start: int, position: int, primary: bool = False
+    ) -> None:
         self.copy = copy
+        # The view of the tensor its copy was made from: while the copy stays on the device, the copy's ``alias`` is
+        # that very tensor, and backward gets it without a tensor rebuilt from the span.
+        self.primary = primary
         self.position = position  # where backward unpacks it: the saved bytes' position when it was saved
         self.dtype = tensor.dtype
         self.size = tensor.size()

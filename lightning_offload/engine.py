@@ -268,7 +268,7 @@ class OffloadEngine:
                 copy.state = State.RESIDENT
                 self._counted.append(copy)
                 return _keep(tensor)
-            view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes)
+            view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes, primary=True)
             outbound.pending.append(copy)
             outbound.send_decided(log, stats)
             return view
@@ -324,7 +324,8 @@ class OffloadEngine:
         outbound.retire()  # before the version check: a finished copy seals the version it saw
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:
-            out = view.rebuild(copy.src)  # type: ignore[arg-type]
+            alias = copy.alias
+            out = alias if view.primary and alias is not None else view.rebuild(copy.src)  # type: ignore[arg-type]
             inbound.used_resident(view)
         else:
             out = view.rebuild(inbound.bring_back(copy, self._stats))

@@ -20,7 +20,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from lightning_offload import HostMemoryFull, OffloadEngine, OffloadOptions, no_offload, offload_activations
+from lightning_offload import HostMemoryFull, OffloadEngine, OffloadOptions, copies, no_offload, offload_activations
+from lightning_offload.copies import StorageCopy
 from lightning_offload.host_pool import HostPool
 from tests.models import (
     CASES,
@@ -169,6 +170,38 @@ def test_restored_views_keep_size_stride_and_offset(mode: str) -> None:
     for got, (values, geometry) in zip(restored, expected, strict=True):
         assert _geometry(got) == geometry
         assert torch.equal(got, values)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tensors_kept_on_the_device_come_back_without_a_byte_view_of_their_storage(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor that stays is handed back as itself (same storage, geometry and values) and its copy never makes the
+    flat byte view offloading needs; a second view of the same storage is rebuilt from that view, made once then.
+    Offloaded copies make theirs."""
+    made: list[StorageCopy] = []
+    byte_view = StorageCopy.src
+
+    def counted(copy: StorageCopy) -> torch.Tensor | None:
+        if copy._src is copies._UNMADE:
+            made.append(copy)
+        return byte_view.fget(copy)  # type: ignore[misc]
+
+    monkeypatch.setattr(StorageCopy, "src", property(counted, byte_view.fset))
+    qkv = torch.randn(2, 10, 48)
+    alone = torch.randn(8, 8)
+    tensors = [alone, qkv, *qkv.chunk(3, dim=-1)]  # the chunks are later views of qkv's storage
+    expected = [(t.clone(), _geometry(t), t.data_ptr()) for t in tensors]
+    restored = probe(tensors, make_engine(mode=mode, max_offload_bytes=0))
+    for got, (values, geometry, address) in zip(restored, expected, strict=True):
+        assert _geometry(got) == geometry and got.data_ptr() == address
+        assert torch.equal(got, values)
+    assert len(made) == 1 and made[0].nbytes == qkv.untyped_storage().nbytes()  # for the chunks, once
+    made.clear()
+    engine = make_engine(mode=mode)
+    restored = probe([alone, qkv], engine)
+    assert engine.stats.offloaded_bytes > 0 and len(made) == 2
+    assert all(torch.equal(got, want) for got, (want, _, _) in zip(restored, expected, strict=False))
 
 
 @pytest.mark.parametrize("mode", MODES)
