@@ -324,8 +324,11 @@ class OffloadEngine:
         outbound.retire()  # before the version check: a finished copy seals the version it saw
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:
+            # The tensor the copy was made from, as a new alias: backward code may rebind what it is handed (``.data
+            # = ...``), and the copy's own alias must keep the storage a later view of it is rebuilt from.
             alias = copy.alias
-            out = alias if view.primary and alias is not None else view.rebuild(copy.src)  # type: ignore[arg-type]
+            primary = view.primary and alias is not None
+            out = alias.detach() if primary else view.rebuild(copy.src)  # type: ignore[union-attr, arg-type]
             inbound.used_resident(view)
         else:
             out = view.rebuild(inbound.bring_back(copy, self._stats))

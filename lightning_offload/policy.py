@@ -153,8 +153,16 @@ def _cast_of_leaf(node: object, depth: int = 4) -> bool:
 
 
 def plain_dense(tensor: torch.Tensor) -> bool:
-    """Plain strided tensors only: subclasses (DTensor, fake and functional tensors) and sparse ones stay put."""
-    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_nested
+    """Plain strided tensors only: subclasses (DTensor, fake and functional tensors), sparse ones, and views that
+    carry a lazy conjugate or negative bit (``x.conj()`` of a complex tensor, which a tensor rebuilt from the raw bytes
+    would lose) stay put."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def offload_span(

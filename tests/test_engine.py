@@ -204,6 +204,59 @@ def test_tensors_kept_on_the_device_come_back_without_a_byte_view_of_their_stora
     assert all(torch.equal(got, want) for got, (want, _, _) in zip(restored, expected, strict=False))
 
 
+class _RebindsWhatItSaved(torch.autograd.Function):
+    """Uses its saved tensor in backward, then rebinds it (``.data = ...``, which bumps no version): code that frees
+    an activation early does this."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return weight * x.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (saved,) = ctx.saved_tensors
+        out = grad * saved.sum()
+        saved.data = torch.zeros(1)
+        return out, None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_code_rebinding_a_kept_tensor_leaves_other_views_of_its_storage_intact(mode: str) -> None:
+    """What backward is handed for a tensor that stayed is an alias of its own: rebinding it does not move the bytes a
+    later view of the same storage is rebuilt from (a slice saved by another op, unpacked afterwards)."""
+    x = torch.randn(4, 8)
+    weight = torch.ones((), requires_grad=True)
+    other = torch.ones(2, 8, requires_grad=True)
+    engine = make_engine(mode=mode, max_offload_bytes=0)
+    with engine:
+        first = _RebindsWhatItSaved.apply(weight, x)  # saves x: its copy's first view
+        second = (other * x[:2]).sum()  # saves x[:2]: another view of the same storage
+    torch.autograd.grad(first, weight, retain_graph=True)
+    second.backward()
+    assert torch.equal(other.grad, x[:2])
+
+
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+@pytest.mark.parametrize("tail", [0, 1 << 30])
+def test_conjugate_and_negative_views_keep_their_bit(kind: str, tail: int) -> None:
+    """A complex tensor's lazy conjugate (or negative) view saved for backward stays on the device with its bit:
+    rebuilt from raw bytes it would lose it, and the gradient through it would be wrong."""
+
+    def grad_of_weight(engine: OffloadEngine | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(64, dtype=torch.complex64, requires_grad=True)
+        weight = torch.randn(64, dtype=torch.complex64, requires_grad=True)
+        with engine if engine is not None else nullcontext():
+            h = x * 2
+            lazy = h.conj() if kind == "conj" else torch._neg_view(h)
+            (lazy * weight).abs().sum().backward()
+        return weight.grad
+
+    engine = make_engine(resident_tail_bytes=tail)
+    assert torch.equal(grad_of_weight(engine), grad_of_weight(None))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_small_slice_of_large_storage(mode: str) -> None:
     """For a tensor using under half of its storage: only its span is copied; size, stride, dtype and
