@@ -64,7 +64,6 @@ class _Arm:
     optimizer: torch.optim.Optimizer
     context: Callable[[], Any]
     engine: Any = None
-    warmup: int = _WARMUP_STEPS
     times: list[float] = field(default_factory=list)
 
 
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.arms:
             arms.append(_make_arm(name, plain, plain_optimizer, optimizer_for, engine_kwargs))
         for arm in arms:  # warm up one arm at a time
-            for _ in range(arm.warmup):
+            for _ in range(_WARMUP_STEPS):
                 arm.bench.timed_step(arm.context(), arm.optimizer, ids)
         for index in range(args.rounds):
             shift = index % len(arms)  # each arm goes first as often as the others

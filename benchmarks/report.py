@@ -158,6 +158,7 @@ def verdicts(results: Iterable[dict[str, Any]]) -> list[Verdict]:
     """
     results = list(results)
     parts: dict[str, list[tuple[bool, str]]] = {key: [] for key in ("P1", "P1b", "P2", "P3", "P4", "G")}
+    noises: list[str] = []  # what `none` differs from itself by, per workload that measured it
     for result in results:
         name = result["workload"]["name"]
         rows = rows_by_mode(result)
@@ -180,6 +181,9 @@ def verdicts(results: Iterable[dict[str, Any]]) -> list[Verdict]:
             parts["P3"].append(p3)
         parts["P4"].extend(_p4(name, rows))
         tolerance = grad_tolerance(rows)
+        noise = rows.get("none", {}).get("grad_noise")
+        if noise is not None:
+            noises.append(f"{name} {noise:.1e}")
         for row in result.get("rows", []):
             diff = row.get("grad_rel_diff")
             if _ok(row) and row["mode"] != "none" and diff is not None:
@@ -189,14 +193,9 @@ def verdicts(results: Iterable[dict[str, Any]]) -> list[Verdict]:
     verdict_g = _combine("G", grads)
     if grads:
         worst = [text for ok, text in grads if not ok]
-        noise = [
-            f"{r['workload']['name']} {n:.1e}"
-            for r in results
-            if (n := rows_by_mode(r).get("none", {}).get("grad_noise")) is not None
-        ]
         verdict_g.detail = (
             f"{len(grads)} rows compared, all within {GRAD_TOLERANCE:g} or twice `none` against itself"
-            + (f" ({', '.join(noise)})" if noise else "")
+            + (f" ({', '.join(noises)})" if noises else "")
             if not worst
             else "; ".join(worst)
         )

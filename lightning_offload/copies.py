@@ -168,7 +168,7 @@ class SavedView:
     ) -> None:
         self.copy = copy
         # The view of the tensor its copy was made from: while the copy stays on the device, the copy's ``alias`` is
-        # that very tensor, and backward gets it without a tensor rebuilt from the span.
+        # that tensor, and backward gets an alias of it without a tensor rebuilt from the span.
         self.primary = primary
         self.position = position  # where backward unpacks it: the saved bytes' position when it was saved
         self.dtype = tensor.dtype
