@@ -260,7 +260,11 @@ class OffloadEngine:
         copy = log.find(storage._cdata, start, end, tensor._version)
         off = self.options.mode == "off"
         if copy is None:
-            copy = StorageCopy(tensor, StorageWeakRef(storage), lo, hi, producer_stream(self._transfer))
+            # Past the forward's byte limit a copy can never leave: it needs no producer stream and no place in the
+            # queue of copies waiting for their fate (the limit is fixed for the forward; positions only grow).
+            stays = off or outbound.beyond_limit(log.position + hi - lo - log.forward_start)
+            producer = None if stays else producer_stream(self._transfer)
+            copy = StorageCopy(tensor, StorageWeakRef(storage), lo, hi, producer)
             log.add(copy, storage._cdata)
             stats.eligible_bytes += copy.nbytes
             if off:
@@ -269,7 +273,12 @@ class OffloadEngine:
                 self._counted.append(copy)
                 return _keep(tensor)
             view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes, primary=True)
-            outbound.pending.append(copy)
+            if stays:
+                outbound.keep_resident(copy, stats)
+                if not outbound.pending:
+                    return view
+            else:
+                outbound.pending.append(copy)
             outbound.send_decided(log, stats)
             return view
         if off:
@@ -315,7 +324,8 @@ class OffloadEngine:
                 "lightning_offload: this saved tensor was released because the step that saved it raised an "
                 "exception; run forward again before calling backward"
             )
-        self._end_forward()
+        if self._log.forward_open:
+            self._end_forward()
         outbound, inbound = self._outbound, self._inbound
         assert outbound is not None and inbound is not None
         self._log.reached(view)

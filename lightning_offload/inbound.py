@@ -114,7 +114,8 @@ class InboundQueue:
     def used_resident(self, view: SavedView) -> None:
         """Backward unpacked ``view`` of a copy that stayed on the device; once all its views are used, autograd
         releases the bytes when the node that unpacked them has run (:attr:`freed_bytes` counts them then)."""
-        if _last_use(view):
+        # Freed room matters only to copies still queued to come back (a later forward's queue starts a new count).
+        if _last_use(view) and self.queue:
             self._freeing.append((view.position, view.copy.nbytes, _running_node()))
 
     def left_head(self, backward_pos: int) -> bool:
@@ -127,10 +128,12 @@ class InboundQueue:
     def prefetch(self, backward_pos: int, stats: OffloadStats) -> None:
         """Start the copies whose planned start backward has reached, latest-saved first, within ``cap`` ahead; and
         later ones already, as far as the room backward has freed allows (nothing while the head is held)."""
+        queue, starts = self.queue, self.starts
+        if not queue:
+            return  # nothing left to fetch in this backward (most unpacks where little or nothing is offloaded)
         self._credit_freed(backward_pos)
         if self.hold_above is not None:
             return
-        queue, starts = self.queue, self.starts
         # Room that backward freed: bytes fetched into it take the place of bytes that left, so the peak does not
         # move and they may come back before their planned start. On an H200, 8B LoRA's 16 GiB partial offload stalled
         # backward 110 ms on its planned starts, and 23 ms where so few kept bytes lay above the offloaded ones that

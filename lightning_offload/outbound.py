@@ -139,6 +139,10 @@ class OutboundQueue:
         stats.offloaded_bytes += copy.nbytes
         stats.offloaded_tensors += copy.views_left
 
+    def beyond_limit(self, forward_bytes: int) -> bool:
+        """Whether a copy ending ``forward_bytes`` into the open forward lies past the limit (it stays)."""
+        return self.limit is not None and forward_bytes > self.limit
+
     def decided(
         self, position: int, forward_start: int, previous_total: int | None
     ) -> Iterator[tuple[StorageCopy, bool]]:
@@ -148,11 +152,10 @@ class OutboundQueue:
         go at once instead of waiting for ``tail`` more bytes to be saved after them.
         """
         cutoff = forward_start + previous_total - self.tail if previous_total is not None else -1
-        limit = self.limit
         pending = self.pending
         while pending:
             copy = pending[0]
-            if limit is not None and copy.end_pos - forward_start > limit:
+            if self.beyond_limit(copy.end_pos - forward_start):
                 # Only the first ``limit`` bytes of a forward leave: the earliest tensors have the most compute to
                 # hide their copies behind, both ways.
                 pending.popleft()

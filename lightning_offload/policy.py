@@ -108,10 +108,14 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
     a view keeps its root in ``_base``; an autocast copy of a weight is a ``ToCopyBackward0`` whose next node
     accumulates into a leaf.
     """
-    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+    # A ``Parameter`` is always a leaf (it is made detached), and its ``isinstance`` check is a metaclass hook, ten
+    # times an attribute read: it runs on leaves only, after the cheap tests.
+    if tensor.is_leaf and tensor.requires_grad:
         return True
     base = tensor._base
-    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+    if base is not None and base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
+        return True
+    if tensor.is_leaf and isinstance(tensor, torch.nn.Parameter):
         return True
     node = tensor.grad_fn if base is None else base.grad_fn
     return _cast_of_leaf(node)
@@ -179,9 +183,10 @@ def offload_span(
         return None
     storage = tensor.untyped_storage()
     storage_nbytes = storage.nbytes()
-    if storage_nbytes < min_bytes or offload_suppressed() or backward_running() or is_parameter_like(tensor):
+    if storage_nbytes < min_bytes or offload_suppressed() or backward_running():
         return None
-    if len(params) and storage._cdata in params:  # the key a weak reference holds, without making one
+    # The model's own storages (a set lookup) before the walk up the graph that recognises parameters in disguise.
+    if (len(params) and storage._cdata in params) or is_parameter_like(tensor):
         return None
     start, end = byte_span(tensor)
     lo, hi = copy_span(start, end, storage_nbytes)

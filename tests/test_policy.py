@@ -219,6 +219,20 @@ def test_is_parameter_like_recognises_parameters_views_and_casts() -> None:
     assert not is_parameter_like(torch.randn(3))
 
 
+def test_is_parameter_like_recognises_frozen_parameters_and_their_views() -> None:
+    """A frozen parameter (LoRA's base weights) and its views are leaves that do not require grad: still parameter-
+    like, through their type and their base, while a leaf tensor made in forward without grad is not."""
+    frozen = nn.Parameter(torch.randn(8, 4), requires_grad=False)
+    assert is_parameter_like(frozen)
+    assert is_parameter_like(frozen.t())
+    assert is_parameter_like(frozen[1:3])
+    with torch.no_grad():
+        assert is_parameter_like(frozen.view(4, 8))
+        made = torch.randn(8, 4) * 2
+    assert not is_parameter_like(made)
+    assert not is_parameter_like(made.t())
+
+
 def test_is_parameter_like_cast_of_transposed_weight() -> None:
     """Autocast casts a matmul's operands as given, so ``h @ w.t()`` (tied embeddings, hand-written output
     projections) saves a bf16 cast of the *transposed* weight. That cast is parameter-like too."""

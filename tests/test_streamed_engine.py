@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadOptions
+from lightning_offload import engine as engine_module
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.streams import SimulatedStreams
+from lightning_offload.transfer import producer_stream
 from tests.models import CASES, assert_inplace_error_or_exact_grad, assert_same_grads, build, train_step
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -227,6 +229,45 @@ def test_a_forward_that_never_runs_backward_leaves_nothing_queued_for_later_step
         lengths.append(len(engine._inbound.queue))  # type: ignore[union-attr]
     copies = engine.stats.offloaded_tensors or 1
     assert max(lengths) <= copies and lengths[-1] == lengths[1], lengths
+
+
+def test_copies_past_the_limit_stay_at_once_and_the_tail_still_sends_the_earlier_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a byte limit and a resident tail, the copies within the limit wait for the tail to pass them and then
+    leave; those past it stay from their save on, without asking for the stream that made them (a host cost per
+    saved tensor that only a copy going out needs). Gradients are unchanged."""
+    torch.manual_seed(0)
+    model = Chain(n=8, width=64)
+    x = torch.randn(64, 64)  # every saved activation 16 KiB, each its own storage
+    expected = step_grads(model, x, None)
+    act = 64 * 64 * 4
+    sim = SimulatedStreams(lag=2)
+    engine = streamed_engine(sim, max_offload_bytes=3 * act, resident_tail_bytes=2 * act)
+    for _ in range(2):
+        grads = step_grads(model, x, engine)
+        assert_same_grads(grads, expected)
+        assert engine.stats.offloaded_bytes == 3 * act
+        assert engine.stats.resident_bytes == engine.stats.eligible_bytes - 3 * act > 0
+    asked = []
+    monkeypatch.setattr(engine_module, "producer_stream", lambda transfer: asked.append(1) or producer_stream(transfer))
+    with engine:
+        loss = model(x)
+    copies = list(engine._log.step_copies())
+    assert [c.state.name for c in copies] == ["OFFLOADED"] * 3 + ["RESIDENT"] * (len(copies) - 3)
+    assert len(asked) == 3  # only the copies within the limit asked which stream made them
+    loss.backward()
+
+
+def step_grads(model: nn.Module, x: torch.Tensor, engine: OffloadEngine | None) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if engine is None:
+        loss = model(x)
+    else:
+        with engine:
+            loss = model(x)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
