@@ -388,6 +388,31 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 
+def test_the_kept_plan_reserves_what_it_allocates_after_the_trials() -> None:
+    """Under a budget without a hard cap (nothing makes the allocator flush its cache), the measuring steps and the
+    plans under trial leave memory cached; once a plan is kept the cache is emptied, so the kept plan's steps reserve
+    at most 1.10x what they allocate, with gradients equal to plain ones."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=12).cuda()
+    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    engine = offload_activations(model=model, memory_budget=int(0.6 * plain_peak))
+    for _ in range(60):
+        _grads(model, tokens, engine, True)
+        if engine.planner is not None and engine.planner.plan is not None and not engine.planner.measuring:
+            if not engine.planner.trying:
+                break
+    assert engine.planner is not None and not engine.planner.trying
+    _grads(model, tokens, engine, True)  # the kept plan's first step: it begins by emptying the cache
+    for _ in range(3):
+        peak, grads = _step_peak(model, tokens, engine)  # (the reserved peak restarts at what is reserved)
+        for ref, got in zip(reference, grads, strict=True):
+            assert torch.equal(ref, got)
+        reserved = torch.cuda.max_memory_reserved()
+        assert reserved <= 1.10 * peak, (reserved / 2**30, peak / 2**30, engine.planner.plan)
+
+
 class PartsBlock(nn.Module):
     """A decoder layer as Hugging Face writes them: attention, MLP and norms as modules of their own."""
 
