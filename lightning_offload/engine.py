@@ -74,6 +74,7 @@ class OffloadEngine:
         self.local_processes = local_processes
         self._model_ref = weakref.ref(model) if model is not None else None
         self._params = policy.ParameterStorages()
+        self._model_tensors = policy.ModelTensors()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._streams = streams
         self._memory = memory
@@ -161,10 +162,11 @@ class OffloadEngine:
             _log.warning(self.planner.out_of_memory())
 
     def refresh_parameters(self, tensors: Any = None) -> None:
-        """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``)."""
+        """Re-read the storages never to offload (the model's parameters and buffers, :class:`policy.ModelTensors`,
+        or ``tensors``)."""
         if tensors is None:
             model = self._model_ref() if self._model_ref is not None else None
-            tensors = [] if model is None else policy.parameters_and_buffers(model)
+            tensors = [] if model is None else self._model_tensors.read(model)
             if model is not None and self._inbound is not None:
                 self._inbound.reserve_for_gradients(tensors)
         self._params.update(tensors)
@@ -210,6 +212,7 @@ class OffloadEngine:
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when
         the optimizer is new too (it allocates its state in its first step)."""
+        self._model_tensors.forget()
         if self.planner is not None:
             self.planner.replan(measuring_steps)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -74,6 +75,40 @@ class ParameterStorages:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class ModelTensors:
+    """A model's parameters and buffers, read at every step: the module tree is walked every ``walk_every`` reads, and
+    whenever a tensor the last walk found is gone (replaced and freed); in between, the tensors it found are handed back
+    (held by weak reference: nothing is kept alive here), and :class:`ParameterStorages` re-reads their storages, so a
+    storage swapped under the same parameter is followed at every step. (A walk took ~0.35 ms of a 23 ms step of
+    small-h512 on an H200's host. Between walks a tensor newly registered goes unseen: the cost is bytes moved that
+    free nothing, never a wrong value, and trainable parameters are recognised at every save anyway.)
+
+    Args:
+        walk_every: reads per walk of the module tree.
+    """
+
+    def __init__(self, walk_every: int = 50) -> None:
+        self.walk_every = walk_every
+        self._refs: list[weakref.ref[torch.Tensor]] | None = None
+        self._reads = 0  # reads since the last walk
+
+    def read(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The parameters and buffers of ``model`` (the last walk's, where it is recent and all of them live)."""
+        if self._refs is not None and self._reads < self.walk_every:
+            tensors = [ref() for ref in self._refs]
+            if all(tensor is not None for tensor in tensors):
+                self._reads += 1
+                return tensors  # type: ignore[return-value]
+        tensors = parameters_and_buffers(model)
+        self._refs = [weakref.ref(tensor) for tensor in tensors]
+        self._reads = 1
+        return tensors
+
+    def forget(self) -> None:
+        """Walk the module tree at the next read (the model may have changed: a new input shape, a new plan)."""
+        self._refs = None
 
 
 def parameters_and_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
