@@ -46,7 +46,7 @@ from lightning_offload.device_memory import DeviceMemory
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.plan_trials import PlanTrials, timing_key
+from lightning_offload.plan_trials import PlanTrials
 from lightning_offload.planned_blocks import BlockSizes, PlannedBlocks
 from lightning_offload.schedule import (
     REBUILD_SHARE,
@@ -167,8 +167,6 @@ class BudgetPlanner:
         # offloaded from its first saved tensor (see _warn_frugal_step).
         self._measured_peaks: tuple[int, int, int, bool] = (0, 0, 0, False)
         self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
-        # A plan was settled on (trials over, or a correction after them): the next step starts from an emptied cache.
-        self._release_cache = False
 
     @property
     def measuring(self) -> bool:
@@ -272,16 +270,6 @@ class BudgetPlanner:
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
-        if self._release_cache:
-            # The measuring steps and the plans under trial each left the allocator's cache shaped by their own
-            # allocations; cached, that memory stays reserved for good (expandable segments are never unmapped but
-            # by emptying the cache). Emptied once, between steps, the kept plan reserves what it needs: on an H200
-            # the small-vocab model's 8 GiB row reserved 7.7 GiB for 6.2 allocated after its trials, where the same
-            # plan run alone (`ac+offload`) reserved 6.6.
-            self._release_cache = False
-            release = getattr(self.memory, "release_cache", None)
-            if release is not None:
-                release()
         if self.owns_peaks:
             self.memory.reset_peak()
         self._stepping = True
@@ -647,13 +635,10 @@ class BudgetPlanner:
         chosen, trial = trials.choose(self.profile, candidates, memory)
         plan = chosen or plan
         plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
-        changed, previous = plan != self.plan, self.plan
+        changed = plan != self.plan
         self.plan = plan
         if changed:
             self._plan_since = None
-        # Trials just ended, or a plan that runs other blocks or bytes follows a kept one (not a new prediction alone).
-        if trials.done and (trial or previous is None or timing_key(plan) != timing_key(previous)):
-            self._release_cache = True
         if changed or trial:  # the trials' outcome is told even where the last plan timed was the fastest
             text = f"memory_budget={self.budget / GiB:.2f} GiB: {trial}{plan.describe(self.budget)}"
             if not plan.fits:

@@ -278,10 +278,10 @@ class OffloadEngine:
             view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes, primary=True)
             if stays:
                 outbound.keep_resident(copy, stats)
-                if not outbound.pending:
-                    return view
             else:
                 outbound.pending.append(copy)
+            # Also where this copy stays: each save is where the way out lets go of the sources whose copies are done
+            # (skipping it past the limit kept them allocated to the end of forward, past what plans count).
             outbound.send_decided(log, stats)
             return view
         if off:

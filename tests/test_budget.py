@@ -715,38 +715,6 @@ def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cach
         assert_same_grads(step["grads"], reference_grads(x))
 
 
-@pytest.mark.parametrize("trials", [True, False])
-def test_the_allocators_cache_is_emptied_as_a_kept_plan_begins_and_only_then(trials: bool) -> None:
-    """The measuring steps and the plans under trial leave the allocator's cache shaped by their own allocations: the
-    step that begins with the kept plan first returns the cached memory (and so does one that begins a plan of other
-    blocks or bytes after a correction); no step that measures, times a plan or repeats the last one does (emptying
-    the cache every step would map the step's memory anew each time)."""
-    x = torch.randn(BATCH, WIDTH)
-    _, model, memory, engine = slow_hooked_engine(x, trials=trials)
-    run_steps(engine, model, x, 1)  # the engine makes its planner at its first step
-    planner = engine.planner
-    assert planner is not None
-    released: list[int] = []
-    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
-    ran: list[tuple[int, int] | None] = []  # per step from the second: its plan's blocks and bytes (None: measured
-    # or timed against others)
-    begin = planner.begin_step
-
-    def recording_begin(position: Any) -> Any:
-        plan = begin(position)
-        ran.append((plan.checkpoint_blocks, plan.offload_bytes) if plan is not None and not planner.trying else None)
-        return plan
-
-    planner.begin_step = recording_begin  # type: ignore[method-assign]
-    run_steps(engine, model, x, 30)
-    settled = [
-        step for step, (before, now) in enumerate(itertools.pairwise(ran), start=3) if now is not None and now != before
-    ]
-    assert released == settled and released
-    if trials:
-        assert len(released) == 1 and not planner.trying
-
-
 def test_without_trials_the_models_cheapest_plan_runs() -> None:
     """``plan_trials=False``: the plan chosen from the measured profile runs from the first planned step on, even where
     the hooks cost what the model does not know of."""

@@ -259,6 +259,28 @@ def test_copies_past_the_limit_stay_at_once_and_the_tail_still_sends_the_earlier
     loss.backward()
 
 
+def test_sources_of_finished_copies_are_let_go_during_forward_past_the_limit() -> None:
+    """Saves past the byte limit stay, but each is still where the way out lets go of the device sources whose copies
+    to the host are done: by the end of forward nothing offloaded is held on the device twice."""
+    torch.manual_seed(0)
+    model = Chain(n=8, width=64)
+    x = torch.randn(64, 64)
+    act = 64 * 64 * 4
+    sim = SimulatedStreams(lag=0)  # copies run as they are queued: done by the next save
+    engine = streamed_engine(sim, max_offload_bytes=2 * act, max_inflight_bytes=1 << 30)
+    expected = step_grads(model, x, None)
+    outbound = engine._outbound
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            loss = model(x)
+            assert engine.stats.offloaded_bytes == 2 * act
+            outbound = engine._outbound
+            assert outbound is not None and outbound.inflight_bytes == 0 and not outbound.inflight
+        loss.backward()
+        assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
+
+
 def step_grads(model: nn.Module, x: torch.Tensor, engine: OffloadEngine | None) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     if engine is None:
