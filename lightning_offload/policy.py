@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -77,40 +76,6 @@ class ParameterStorages:
         return len(self._keys)
 
 
-class ModelTensors:
-    """A model's parameters and buffers, read at every step: the module tree is walked every ``walk_every`` reads, and
-    whenever a tensor the last walk found is gone (replaced and freed); in between, the tensors it found are handed back
-    (held by weak reference: nothing is kept alive here), and :class:`ParameterStorages` re-reads their storages, so a
-    storage swapped under the same parameter is followed at every step. (A walk took ~0.35 ms of a 23 ms step of
-    small-h512 on an H200's host. Between walks a tensor newly registered goes unseen: the cost is bytes moved that
-    free nothing, never a wrong value, and trainable parameters are recognised at every save anyway.)
-
-    Args:
-        walk_every: reads per walk of the module tree.
-    """
-
-    def __init__(self, walk_every: int = 50) -> None:
-        self.walk_every = walk_every
-        self._refs: list[weakref.ref[torch.Tensor]] | None = None
-        self._reads = 0  # reads since the last walk
-
-    def read(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The parameters and buffers of ``model`` (the last walk's, where it is recent and all of them live)."""
-        if self._refs is not None and self._reads < self.walk_every:
-            tensors = [ref() for ref in self._refs]
-            if all(tensor is not None for tensor in tensors):
-                self._reads += 1
-                return tensors  # type: ignore[return-value]
-        tensors = parameters_and_buffers(model)
-        self._refs = [weakref.ref(tensor) for tensor in tensors]
-        self._reads = 1
-        return tensors
-
-    def forget(self) -> None:
-        """Walk the module tree at the next read (the model may have changed: a new input shape, a new plan)."""
-        self._refs = None
-
-
 def parameters_and_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers of ``model`` and its submodules, each once (tied weights too), in one walk of the
     module tree: ``[*model.parameters(), *model.buffers()]`` walks it twice through generators (a re-read per step
@@ -143,14 +108,11 @@ def is_parameter_like(tensor: torch.Tensor) -> bool:
     a view keeps its root in ``_base``; an autocast copy of a weight is a ``ToCopyBackward0`` whose next node
     accumulates into a leaf.
     """
-    # A ``Parameter`` is always a leaf (it is made detached), and its ``isinstance`` check is a metaclass hook, ten
-    # times an attribute read: it runs on leaves only, after the cheap tests.
-    if tensor.is_leaf and tensor.requires_grad:
+    # The cheap test first: ``isinstance`` of ``Parameter`` is a metaclass hook, ten times an attribute read.
+    if (tensor.is_leaf and tensor.requires_grad) or isinstance(tensor, torch.nn.Parameter):
         return True
     base = tensor._base
-    if base is not None and base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
-        return True
-    if tensor.is_leaf and isinstance(tensor, torch.nn.Parameter):
+    if base is not None and ((base.is_leaf and base.requires_grad) or isinstance(base, torch.nn.Parameter)):
         return True
     node = tensor.grad_fn if base is None else base.grad_fn
     return _cast_of_leaf(node)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import threading
-import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_offload import no_offload, policy
+from lightning_offload import no_offload
 from lightning_offload.policy import (
     ParameterStorages,
     backward_running,
@@ -291,39 +289,9 @@ def test_parameter_storages_follow_a_storage_swapped_under_the_same_parameter() 
     assert old.untyped_storage()._cdata not in params and len(params) == 2
 
 
-def test_model_tensors_walk_the_tree_now_and_then_and_at_once_when_a_tensor_is_gone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Between walks the last walk's tensors come back without a walk; a parameter replaced and freed makes the next
-    read walk; one registered beside the others is found at the next walk, ``walk_every`` reads on; ``forget`` walks
-    at the next read; and nothing is kept alive."""
-    walks = []
-    walk = policy.parameters_and_buffers
-    monkeypatch.setattr(policy, "parameters_and_buffers", lambda model: walks.append(1) or walk(model))
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    tensors = policy.ModelTensors(walk_every=3)
-    first = tensors.read(model)
-    assert len(first) == 7 and len(walks) == 1
-    assert [id(t) for t in tensors.read(model)] == [id(t) for t in first] and len(walks) == 1
-    del first
-    model[0] = nn.Linear(4, 4)  # the old layer's parameters are freed
-    assert any(t is model[0].weight for t in tensors.read(model)) and len(walks) == 2
-    model[1].register_buffer("extra", torch.zeros(2))  # the others stay alive: found at the next walk
-    assert not any(t is model[1].extra for t in tensors.read(model))
-    assert not any(t is model[1].extra for t in tensors.read(model)) and len(walks) == 2
-    assert any(t is model[1].extra for t in tensors.read(model)) and len(walks) == 3
-    tensors.forget()
-    tensors.read(model)
-    assert len(walks) == 4
-    held = weakref.ref(model[0].weight)
-    del model
-    gc.collect()
-    assert held() is None
-
-
-def test_engine_follows_a_storage_swapped_under_a_parameter_between_walks() -> None:
-    """``.data = ...`` on a parameter between steps (no walk of the module tree then): the next step's parameter set
-    holds the new storage, not the old one."""
+def test_engine_follows_a_storage_swapped_under_a_parameter() -> None:
+    """``.data = ...`` on a parameter between steps: the next step's parameter set holds the new storage, not the old
+    one."""
     model = nn.Linear(64, 64)
     engine = make_engine(model=model)
     with engine:
@@ -336,6 +304,29 @@ def test_engine_follows_a_storage_swapped_under_a_parameter_between_walks() -> N
         pass
     assert model.weight.untyped_storage()._cdata in engine._params
     assert old.untyped_storage()._cdata not in engine._params
+
+
+def test_parameters_can_still_be_swapped_after_an_engine_step() -> None:
+    """``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensor parameters under FSDP2, and for every parameter
+    with ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that has a Python weak
+    reference: the engine must hold none on the model's parameters and buffers once a step is over (swapping during a
+    step is torch's own error: backward would run on the swapped tensors)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    engine = make_engine(model=model)
+    for _ in range(2):
+        with engine:
+            loss = model(torch.randn(4, 8)).sum()
+        loss.backward()
+    torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.randn(8, 8)))
+    torch.utils.swap_tensors(model[0].bias, nn.Parameter(torch.randn(8)))
+    torch.utils.swap_tensors(model[1].running_mean, torch.zeros(8))
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert model[0].weight.dtype == torch.float64
 
 
 def test_parameters_and_buffers_lists_each_tensor_once_in_one_walk() -> None:
