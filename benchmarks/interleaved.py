@@ -16,6 +16,11 @@ Arms (each one that changes the model gets a copy of its own, with the same weig
 - ``ckpt+offload-<MiB>mib``: ``ckpt`` plus an engine offloading the first MiB saved in each forward (no planner;
   ``0mib``: its hooks on every saved tensor, nothing offloaded).
 
+For every arm with an engine the tool also sums, per step, the host time spent inside the engine's entry points
+(``install``, ``_pack``, ``_unpack``: ``engine_host_us``, the medians over the timed steps): what its bookkeeping costs
+the host, apart from the noise of the step around it (on an H200, small-h512's steps moved by ~1 ms between two
+processes, the engine's own time by a few percent).
+
 There are no arms under a memory budget: the planner reads the process's allocator, where the other arms' weights,
 optimizer states and cached blocks sit, and on an H200 it planned small-h512's 0.95x budget by parts with 0.32 GiB
 offloaded (1.57x AC's time) where the benchmark's row, in a process of its own under a hard cap, ran 3 whole blocks
@@ -33,6 +38,7 @@ import copy
 import json
 import re
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +51,8 @@ from benchmarks.workloads import WORKLOADS, tiny
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import apply_checkpointing
 
+# The engine's methods whose host time is summed per step (the hooks, and the per-step install).
+_ENTRY_POINTS = ("install", "_pack", "_unpack")
 # Steps each arm runs before timing: the default engine's two measuring steps, its first planned step and one more.
 _WARMUP_STEPS = 4
 _ARM_PATTERNS = (
@@ -65,6 +73,35 @@ class _Arm:
     context: Callable[[], Any]
     engine: Any = None
     times: list[float] = field(default_factory=list)
+    host: dict[str, list[float]] = field(default_factory=dict)  # seconds inside each engine entry point, per step
+    _inside: dict[str, float] = field(default_factory=dict)  # ... summed over the step running now
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            return
+        for entry in _ENTRY_POINTS:
+            self.host[entry] = []
+            setattr(self.engine, entry, self._timed(entry, getattr(self.engine, entry)))
+
+    def _timed(self, entry: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` (a bound method of the engine), with the host time spent in it added to the step's sum. (The engine
+        looks its hooks up on itself when it installs them, so the instance attribute is what runs.)"""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self._inside[entry] = self._inside.get(entry, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def step(self, ids: torch.Tensor) -> None:
+        """One timed step; with an engine, the host time inside its entry points is noted too."""
+        self._inside = {}
+        self.times.append(self.bench.timed_step(self.context(), self.optimizer, ids))
+        for entry in self.host:
+            self.host[entry].append(self._inside.get(entry, 0.0))
 
 
 def _arm_names(text: str) -> list[str]:
@@ -116,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.rounds):
             shift = index % len(arms)  # each arm goes first as often as the others
             for arm in arms[shift:] + arms[:shift]:
-                arm.times.append(arm.bench.timed_step(arm.context(), arm.optimizer, ids))
+                arm.step(ids)
         result = _result(workload, args.rounds, arms)
     finally:
         for arm in arms:
@@ -173,6 +210,15 @@ def _plan_text(engine: Any) -> str | None:
     return f"ckpt {plan.checkpoint_blocks}{' by parts' if plan.split else ''}, offload {plan.offload_bytes} bytes"
 
 
+def _host_us(arm: _Arm) -> dict[str, float] | None:
+    """Median host microseconds per step inside each engine entry point, and of their sum (``None``: no engine)."""
+    if not arm.host:
+        return None
+    out = {entry: statistics.median(seconds) * 1e6 for entry, seconds in arm.host.items()}
+    out["total"] = statistics.median(map(sum, zip(*arm.host.values(), strict=True))) * 1e6
+    return out
+
+
 def _result(workload: Any, rounds: int, arms: list[_Arm]) -> dict[str, Any]:
     medians = {arm.name: statistics.median(arm.times) for arm in arms}
     result: dict[str, Any] = {
@@ -184,6 +230,7 @@ def _result(workload: Any, rounds: int, arms: list[_Arm]) -> dict[str, Any]:
                 "times_ms": [t * 1e3 for t in arm.times],
                 "plan": _plan_text(arm.engine),
                 "offloaded_bytes": arm.engine.stats.offloaded_bytes if arm.engine is not None else 0,
+                "engine_host_us": _host_us(arm),
             }
             for arm in arms
         },

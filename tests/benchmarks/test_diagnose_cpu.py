@@ -70,6 +70,13 @@ def test_interleaved_runs_every_kind_of_arm_on_its_own_model_in_turn(tmp_path: P
     # The manual arm offloads what its limit allows (the checkpointed blocks' inputs), the others nothing.
     assert 0 < result["arms"]["ckpt+offload-0.01mib"]["offloaded_bytes"] <= 0.01 * 2**20
     assert result["arms"]["ckpt"]["offloaded_bytes"] == result["arms"]["ckpt+offload-0mib"]["offloaded_bytes"] == 0
+    # The host time inside the engine's entry points, per step: only for arms with an engine, every hook it ran.
+    assert all(result["arms"][name]["engine_host_us"] is None for name in ("none", "ac", "ckpt"))
+    for name in ("ckpt+offload-0mib", "ckpt+offload-0.01mib"):
+        host = result["arms"][name]["engine_host_us"]
+        assert set(host) == {"install", "_pack", "_unpack", "total"}
+        assert all(host[entry] > 0 for entry in ("install", "_pack", "_unpack"))
+        assert host["total"] >= max(host["install"], host["_pack"], host["_unpack"])
 
 
 @pytest.mark.parametrize(
