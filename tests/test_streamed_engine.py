@@ -240,12 +240,12 @@ def test_copies_past_the_limit_stay_at_once_and_the_tail_still_sends_the_earlier
     torch.manual_seed(0)
     model = Chain(n=8, width=64)
     x = torch.randn(64, 64)  # every saved activation 16 KiB, each its own storage
-    expected = step_grads(model, x, None)
+    expected = train_step(model, x)
     act = 64 * 64 * 4
     sim = SimulatedStreams(lag=2)
     engine = streamed_engine(sim, max_offload_bytes=3 * act, resident_tail_bytes=2 * act)
     for _ in range(2):
-        grads = step_grads(model, x, engine)
+        grads = train_step(model, x, engine)
         assert_same_grads(grads, expected)
         assert engine.stats.offloaded_bytes == 3 * act
         assert engine.stats.resident_bytes == engine.stats.eligible_bytes - 3 * act > 0
@@ -268,7 +268,7 @@ def test_sources_of_finished_copies_are_let_go_during_forward_past_the_limit() -
     act = 64 * 64 * 4
     sim = SimulatedStreams(lag=0)  # copies run as they are queued: done by the next save
     engine = streamed_engine(sim, max_offload_bytes=2 * act, max_inflight_bytes=1 << 30)
-    expected = step_grads(model, x, None)
+    expected = train_step(model, x)
     outbound = engine._outbound
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -279,17 +279,6 @@ def test_sources_of_finished_copies_are_let_go_during_forward_past_the_limit() -
             assert outbound is not None and outbound.inflight_bytes == 0 and not outbound.inflight
         loss.backward()
         assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)
-
-
-def step_grads(model: nn.Module, x: torch.Tensor, engine: OffloadEngine | None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    if engine is None:
-        loss = model(x)
-    else:
-        with engine:
-            loss = model(x)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_prefetch_cap_limits_what_is_fetched_ahead() -> None:
