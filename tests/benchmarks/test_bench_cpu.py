@@ -696,3 +696,31 @@ def test_the_default_row_runs_right_after_none() -> None:
         "ac+offload",
         "ours-budget-0.9x",
     ]
+
+
+def test_references_whose_reserved_passes_a_budget_run_again_under_its_cap() -> None:
+    """After every row, a row B2 would compare a budget row with, whose peak allocated fits the budget and whose peak
+    reserved does not, runs once more under the budget's cap; the budget row keeps how it went, and the reference's
+    own row is left as it was (on the CPU the cap itself is not applied, and peaks are made up)."""
+    from benchmarks.worker import Runner
+    from benchmarks.workloads import tiny
+
+    runner = Runner(tiny(WORKLOADS["small-h512"]), 1, 1, True, 1, 1)
+    rows = [runner.run(MODES["none"]), runner.run(MODES["ac"])]
+    rows[1].update(peak_alloc_gib=1.0, peak_reserved_gib=1.2)
+    fitting = {"mode": "ours-budget-floor", "group": "ours", "status": "ok", "step_s": 1.0, "budget_gib": 1.1}
+    roomy = {"mode": "ours-budget-0.9x", "group": "ours", "status": "ok", "step_s": 1.0, "budget_gib": 1.3}
+    saves = []
+    runner.run_capped_references([*rows, fitting, roomy], lambda: saves.append(1))
+    capped = fitting["capped_references"]["ac"]
+    assert set(capped) == {
+        "status",
+        "step_s",
+        "peak_alloc_gib",
+        "peak_reserved_gib",
+        "alloc_flushes_per_step",
+        "oom_step",
+    }
+    assert capped["status"] == "ok" and capped["step_s"] > 0
+    assert "capped_references" not in roomy  # AC's 1.2 GiB reserved fits under 1.3: nothing to find out
+    assert saves == [1] and runner.rows["ac"] is rows[1]

@@ -111,6 +111,46 @@ def test_b2_a_reference_fits_by_its_peak_allocated_not_reserved() -> None:
     assert verdicts([result("llama1b-s4k", rows)])["B2"].status == "met"  # AC no longer fits
 
 
+def test_b2_a_reference_whose_reserved_passes_the_budget_counts_as_it_ran_under_the_cap() -> None:
+    ac = row("ac", 1.25, 20.0, reserved=22.0)  # allocated fits the 21 GiB budget, reserved does not
+    ours = budget("ours-budget-0.7x", 1.32, 20.5, 21.0)
+    rows = [row("none", 1.0, 30.0), ac, ours]
+    assert report.references_in_doubt(ours, rows) == ["ac"]
+    # Not run again yet: judged by its uncapped time (1.32 / 1.25 = 1.06x).
+    assert verdicts([result("llama1b-s4k", rows)])["B2"].status == "missed"
+    # Under the cap it trained, slower (the allocator flushed its cache every step): ours is within 1.05x of that.
+    ours["capped_references"] = {"ac": {"status": "ok", "step_s": 1.30, "alloc_flushes_per_step": 1.0}}
+    v = verdicts([result("llama1b-s4k", rows)])["B2"]
+    assert v.status == "met"
+    assert "vs ac 1.300 s under the same cap (1.250 s without) (1.02x)" in v.detail
+    # Under the cap it ran out of memory: no other row fits, and the detail says why.
+    ours["capped_references"] = {"ac": {"status": "OOM", "step_s": None}}
+    v = verdicts([result("llama1b-s4k", rows)])["B2"]
+    assert v.status == "met"
+    assert "no other row fits under the budget; under the same cap ac OOM" in v.detail
+    # A faster reference that fits by its reserved bytes too is never run again, and still decides.
+    rows.append(row("ac+offload", 1.00, 19.0, reserved=20.0, offloaded_gib=1.0))
+    assert report.references_in_doubt(ours, rows) == ["ac"]
+    v = verdicts([result("llama1b-s4k", rows)])["B2"]
+    assert v.status == "missed" and "vs ac+offload 1.000 s at 19.0 GiB (1.32x); under the same cap ac OOM" in v.detail
+    # The report lists the second runs.
+    text = report.markdown([result("llama1b-s4k", rows)], "t")
+    assert "| ours-budget-0.7x | 21.00 | ac | OOM | - | - | - | - |" in text
+
+
+def test_references_in_doubt_leave_out_planner_rows_failed_rows_and_rows_that_do_not_fit() -> None:
+    ours = budget("ours-budget-0.9x", 1.0, 26.0, 27.0)
+    rows = [
+        row("none", 1.0, 30.0, reserved=31.0),  # does not fit by allocated bytes
+        row("ac", None, status="OOM"),
+        row("ours-default", 0.9, 20.0, reserved=28.0, offloaded_gib=1.0),  # a planner row: never a reference
+        row("sac", 1.1, 26.9, reserved=27.1),
+        ours,
+    ]
+    assert report.references_in_doubt(ours, rows) == ["sac"]
+    assert report.references_in_doubt({"mode": "ours-budget-0.9x"}, rows) == []  # no budget: nothing to cap
+
+
 def test_b4_default_against_none() -> None:
     rows = [row("none", 0.100, 3.0), row("ours-default", 0.105, 3.0, offloaded_gib=0.0)]
     v = verdicts([result("small-h512", rows)])["B4"]
