@@ -80,6 +80,11 @@ class DeviceMemory:
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def release_cache(self) -> None:
+        """Return the allocator's cached, unused memory to the device (never while a CUDA graph is being captured)."""
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.empty_cache()
+
 
 def use_expandable_segments(device: torch.device | None = None) -> bool:
     """Switch the CUDA caching allocator to expandable segments, unless the user configured the allocator.

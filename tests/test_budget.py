@@ -715,6 +715,65 @@ def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cach
         assert_same_grads(step["grads"], reference_grads(x))
 
 
+@pytest.mark.parametrize("trials", [True, False])
+@pytest.mark.parametrize(
+    ("budget_share", "reserved_share", "empties"), [(8, 1.3, True), (8, 1.05, False), (6, 1.3, False)]
+)
+def test_a_kept_plan_empties_the_cache_once_where_its_first_step_found_it_holding_far_more_than_its_peak(
+    trials: bool, budget_share: int, reserved_share: float, empties: bool
+) -> None:
+    """The measuring steps and the plans under trial leave memory cached in a layout of their own. The first step of
+    the plan kept after them (and of a plan of other blocks or bytes after a correction) reads how much the allocator
+    holds: past 1.10x the step's peak, where the budget has room for 1.15x it, the cache is emptied once before the
+    next step; never at a step that measures, times a plan or repeats the plan it checked. (A budget of 8x the
+    activations leaves that room above this model's peak, ~6.2x them; 6x does not.)"""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    assert model.sim is not None
+    engine = planned_engine(budget_share * act, memory, model, model.sim, trials=trials)
+    slow_hooks(engine, model.sim, ms=1.0)
+    run_steps(engine, model, x, 1)  # the engine makes its planner at its first step
+    planner = engine.planner
+    assert planner is not None
+    released: list[int] = []
+    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    memory.reserved = lambda: int(reserved_share * memory.peak())  # type: ignore[attr-defined]
+    ran: list[tuple[int, int] | None] = []  # per step from the second: its plan's blocks and bytes (None: measured
+    # or timed against others)
+    begin = planner.begin_step
+
+    def recording_begin(position: Any) -> Any:
+        plan = begin(position)
+        ran.append((plan.checkpoint_blocks, plan.offload_bytes) if plan is not None and not planner.trying else None)
+        return plan
+
+    planner.begin_step = recording_begin  # type: ignore[method-assign]
+    steps = run_steps(engine, model, x, 30)
+    kept = [
+        step for step, (before, now) in enumerate(itertools.pairwise(ran), start=3) if now is not None and now != before
+    ]
+    assert kept and not planner.trying
+    assert released == ([step + 1 for step in kept] if empties else [])  # the step after each kept plan's first
+    for step in steps[1:]:
+        assert_same_grads(step["grads"], steps[0]["grads"])
+
+
+class _Reserved:
+    def __init__(self, reserved: int) -> None:
+        self.reserved = lambda: reserved
+
+
+def test_the_cache_is_left_alone_where_the_budget_has_no_room_for_a_layout_mapped_afresh() -> None:
+    """A layout mapped afresh may reserve more than the cached one (under a hard cap close to the peak, it reached the
+    cap and flushed the cache in every step): emptying is considered only where the budget holds 1.15x the peak, and
+    only where the allocator holds more than 1.10x it."""
+    planner = BudgetPlanner(20 * GiB, _Reserved(19 * GiB))
+    assert planner._cache_worth_emptying(17 * GiB)  # 20 >= 19.55 of room; 19 > 18.7 held
+    assert not planner._cache_worth_emptying(int(17.5 * GiB))  # 20 < 20.1: no room
+    assert not planner._cache_worth_emptying(0)  # no peak read
+    assert not BudgetPlanner(20 * GiB, _Reserved(18 * GiB))._cache_worth_emptying(17 * GiB)  # 18 <= 18.7 held
+
+
 def test_without_trials_the_models_cheapest_plan_runs() -> None:
     """``plan_trials=False``: the plan chosen from the measured profile runs from the first planned step on, even where
     the hooks cost what the model does not know of."""

@@ -564,6 +564,47 @@ def test_default_budget_costs_nothing_where_the_model_fits() -> None:
     assert peak == plain_peak
 
 
+def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None:
+    """Memory cached before a kept plan's first step (here a large tensor freed after the measuring steps) stays
+    reserved for good under expandable segments. Where the budget has room, the kept plan's first step finds the
+    allocator holding more than 1.10x its peak, and the cache is emptied once, before the next step, never again; the
+    gradients stay the plain ones."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=12).cuda()
+    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    engine = offload_activations(model=model, memory_budget=int(2 * plain_peak))
+    for _ in range(3):  # the measuring steps, then the first planned step (the plan is chosen as it begins)
+        _step_peak(model, tokens, engine)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and not planner.measuring
+    checks: list[tuple[int, bool]] = []
+    releases: list[int] = []
+    check, release = planner._cache_worth_emptying, planner.memory.release_cache
+
+    def recorded_check(peak: int) -> bool:
+        checks.append((planner.step, check(peak)))
+        return checks[-1][1]
+
+    def recorded_release() -> None:
+        releases.append(planner.step + 1)
+        release()
+
+    planner._cache_worth_emptying = recorded_check  # type: ignore[method-assign]
+    planner.memory.release_cache = recorded_release
+    junk = torch.empty(3 * plain_peak, dtype=torch.uint8, device="cuda")
+    del junk
+    held = torch.cuda.memory_reserved()
+    for _ in range(8):
+        _, grads = _step_peak(model, tokens, engine)
+        for ref, got in zip(reference, grads, strict=True):
+            assert torch.equal(ref, got)
+    assert len(checks) == 1 and checks[0][1], (checks, held / GiB, planner.plan)
+    assert releases == [checks[0][0] + 1]
+    assert torch.cuda.memory_reserved() < held - plain_peak, (torch.cuda.memory_reserved() / GiB, held / GiB)
+
+
 def test_elementwise_recompute_with_streamed_offloading_gives_the_plain_gradients() -> None:
     """Every block with elementwise recompute (products and attention kept on the device, the rest recomputed), alone
     and with the streamed engine offloading what it sees (the blocks' inputs, the head's tensors): the plain gradients
