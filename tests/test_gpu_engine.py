@@ -565,16 +565,17 @@ def test_default_budget_costs_nothing_where_the_model_fits() -> None:
 
 
 def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None:
-    """Memory cached before a kept plan's first step (here a large tensor freed after the measuring steps) stays
-    reserved for good under expandable segments. Where the budget has room, the kept plan's first step finds the
-    allocator holding more than 1.10x its peak, and the cache is emptied once, before the next step, never again; the
-    gradients stay the plain ones."""
+    """Memory cached by the time a kept plan's first step ends (here a tensor of 2.5x the step's peak, freed after
+    it) stays reserved for good under expandable segments. Where the budget has room, the planner finds the allocator
+    holding more than 1.10x the step's peak as that step ends, and the cache is emptied once, before the next step,
+    never again; the gradients stay the plain ones."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
-    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
     _grads(model, tokens, None, True)
     plain_peak, reference = _step_peak(model, tokens, None)
-    engine = offload_activations(model=model, memory_budget=int(2 * plain_peak))
+    # (What the allocator holds counts against the budget: the freed tensor below stays under it.)
+    engine = offload_activations(model=model, memory_budget=int(4 * plain_peak))
     for _ in range(3):  # the measuring steps, then the first planned step (the plan is chosen as it begins)
         _step_peak(model, tokens, engine)
     planner = engine.planner
@@ -593,7 +594,7 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
 
     planner._cache_worth_emptying = recorded_check  # type: ignore[method-assign]
     planner.memory.release_cache = recorded_release
-    junk = torch.empty(3 * plain_peak, dtype=torch.uint8, device="cuda")
+    junk = torch.empty(5 * plain_peak // 2, dtype=torch.uint8, device="cuda")
     del junk
     held = torch.cuda.memory_reserved()
     for _ in range(8):
@@ -602,7 +603,7 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
             assert torch.equal(ref, got)
     assert len(checks) == 1 and checks[0][1], (checks, held / GiB, planner.plan)
     assert releases == [checks[0][0] + 1]
-    assert torch.cuda.memory_reserved() < held - plain_peak, (torch.cuda.memory_reserved() / GiB, held / GiB)
+    assert torch.cuda.memory_reserved() < held - plain_peak / 2, (torch.cuda.memory_reserved() / GiB, held / GiB)
 
 
 def test_elementwise_recompute_with_streamed_offloading_gives_the_plain_gradients() -> None:
