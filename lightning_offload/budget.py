@@ -176,7 +176,8 @@ class BudgetPlanner:
         # offloaded from its first saved tensor (see _warn_frugal_step).
         self._measured_peaks: tuple[int, int, int, bool] = (0, 0, 0, False)
         self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
-        self._settling = False  # the next planned step is a newly kept plan's first: see _SETTLED_RESERVED_RATIO
+        # The next planned step that times no plan is a newly kept plan's first: see _SETTLED_RESERVED_RATIO.
+        self._settling = False
         self._release_cache = False  # ... and it found the cache worth emptying before the step after it
 
     @property
@@ -282,10 +283,12 @@ class BudgetPlanner:
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
+        held = 0  # what the allocator held before emptying its cache as this step begins (0: not emptied)
         if self._release_cache:
             self._release_cache = False
             release = getattr(self.memory, "release_cache", None)
             if release is not None:
+                held = self._counter("reserved")
                 release()
         if self.owns_peaks:
             self.memory.reset_peak()
@@ -294,6 +297,10 @@ class BudgetPlanner:
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
         self._reserved_at_start = self._counter("reserved")
+        if not self.owns_peaks:
+            # The caller's counters still hold the reserved peak from before the cache was emptied: that is not this
+            # step reserving past the budget.
+            self._reserved_at_start = max(self._reserved_at_start, held)
         if self._trials.trying:  # a plan under trial notes whether its steps flush the allocator's cache
             self._retries_at_start = self._counter("alloc_retries")
         self.step += 1
@@ -375,8 +382,11 @@ class BudgetPlanner:
             )
             if self._measure_left <= 0:
                 self._choose()
+                # The measuring steps (the first ones, or a replan's) left the cache shaped by their own allocations.
+                self._settling = True
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
+            trying = self._trials.trying  # this step timed a plan (the trials may end as it is counted)
             # (Each read of the allocator's counters costs a copy of all of them: only while plans are under trial.)
             flushed = self._trials.trying and self._counter("alloc_retries") > self._retries_at_start
             timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
@@ -404,7 +414,7 @@ class BudgetPlanner:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
                 self._choose(memory=True)
                 return
-            if self._settling and not self._trials.trying:
+            if self._settling and not trying and not self._trials.trying:
                 self._settling = False
                 # (The plan's prediction too: a step without hooks never notes its backward's peak, and a caller that
                 # resets the counters between steps leaves only what came after.)

@@ -738,6 +738,14 @@ def test_a_kept_plan_empties_the_cache_once_where_its_first_step_found_it_holdin
     released: list[int] = []
     memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
     memory.reserved = lambda: int(reserved_share * memory.peak())  # type: ignore[attr-defined]
+    checked: list[int] = []  # the steps whose end asked whether the cache is worth emptying
+    check = planner._cache_worth_emptying
+
+    def recording_check(peak: int) -> bool:
+        checked.append(planner.step)
+        return check(peak)
+
+    planner._cache_worth_emptying = recording_check  # type: ignore[method-assign]
     ran: list[tuple[int, int] | None] = []  # per step from the second: its plan's blocks and bytes (None: measured
     # or timed against others)
     begin = planner.begin_step
@@ -753,9 +761,90 @@ def test_a_kept_plan_empties_the_cache_once_where_its_first_step_found_it_holdin
         step for step, (before, now) in enumerate(itertools.pairwise(ran), start=3) if now is not None and now != before
     ]
     assert kept and not planner.trying
+    assert checked == kept  # each kept plan's first step, and no other (no step that measured or timed a plan)
     assert released == ([step + 1 for step in kept] if empties else [])  # the step after each kept plan's first
     for step in steps[1:]:
         assert_same_grads(step["grads"], steps[0]["grads"])
+
+
+def _held_cache(memory: FakeMemory) -> dict[str, int]:
+    """Reserved-memory counters on ``memory``: the allocator keeps what it held (``held``, what a test plants stands
+    for what earlier steps left cached) until its cache is emptied; ``peak`` is what it held since the last reset."""
+    state = {"held": 0, "peak": 0, "releases": 0}
+
+    def reserved() -> int:
+        state["held"] = max(state["held"], memory.peak())
+        state["peak"] = max(state["peak"], state["held"])
+        return state["held"]
+
+    def release() -> None:
+        state["held"] = 0
+        state["releases"] += 1
+
+    reset = memory.reset_peak
+
+    def reset_peak() -> None:  # as torch.cuda.reset_peak_memory_stats: the reserved peak restarts at what is held
+        reset()
+        state["peak"] = state["held"]
+
+    memory.reserved = reserved  # type: ignore[attr-defined]
+    memory.reserved_peak = lambda: max(state["peak"], reserved())  # type: ignore[attr-defined]
+    memory.release_cache = release  # type: ignore[attr-defined]
+    memory.reset_peak = reset_peak  # type: ignore[method-assign]
+    return state
+
+
+@pytest.mark.parametrize("owns_peaks", [True, False])
+def test_emptying_the_cache_is_not_read_as_a_step_that_reserved_past_the_budget(owns_peaks: bool) -> None:
+    """Under a budget with no hard cap, the cache may hold more than the budget when a kept plan's first step finds it
+    worth emptying. A caller that owns the peak counters (the Lightning callback) resets them when it chooses (here
+    every other step, after the step began, as with gradient accumulation): the reserved peak read after the cache was
+    emptied still holds what it held before, and that must not count as the next step reserving past the budget."""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    assert model.sim is not None
+    engine = planned_engine(8 * act, memory, model, model.sim)
+    state = _held_cache(memory)
+    for index in range(12):
+        planner = engine.planner
+        if planner is not None and planner.step == 2:
+            state["held"] = int(8.3 * act)  # what the measuring steps left cached, past the budget
+        model.zero_grad(set_to_none=True)
+        with engine:
+            if not owns_peaks and engine.planner is not None and engine.planner.step % 2 == 1:
+                memory._peak = 0  # the caller's reset, once per optimizer step
+                state["peak"] = state["held"]
+            loss = model(x)
+        loss.backward()
+        if index == 0:
+            assert engine.planner is not None
+            engine.planner.owns_peaks = owns_peaks
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    assert state["releases"] == 1
+    assert planner.profile.correction == 0
+
+
+def test_a_replan_checks_the_cache_its_measuring_steps_left() -> None:
+    """After ``replan()`` (a new input shape) the measuring steps run again and leave the cache in their own layout:
+    the first step of the plan kept after them is checked as the first plan's was, even where it is the same plan."""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    assert model.sim is not None
+    engine = planned_engine(8 * act, memory, model, model.sim)
+    memory.reserved = lambda: int(1.3 * memory.peak())  # type: ignore[attr-defined]
+    released: list[int] = []
+    run_steps(engine, model, x, 1)
+    planner = engine.planner
+    assert planner is not None
+    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    run_steps(engine, model, x, 9)
+    first = list(released)
+    plan = planner.plan
+    planner.replan()
+    run_steps(engine, model, x, 10)
+    assert len(first) == 1 and len(released) == 2 and planner.plan == plan
+    assert released[1] > 10
 
 
 class _Reserved:

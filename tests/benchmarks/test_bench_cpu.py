@@ -710,8 +710,9 @@ def test_references_whose_reserved_passes_a_budget_run_again_under_its_cap() -> 
     rows[1].update(peak_alloc_gib=1.0, peak_reserved_gib=1.2)
     fitting = {"mode": "ours-budget-floor", "group": "ours", "status": "ok", "step_s": 1.0, "budget_gib": 1.1}
     roomy = {"mode": "ours-budget-0.9x", "group": "ours", "status": "ok", "step_s": 1.0, "budget_gib": 1.3}
+    below = {"mode": "ours-budget-0.5x", "group": "ours", "status": "ok", "step_s": 1.0, "budget_gib": 1.05}
     saves = []
-    runner.run_capped_references([*rows, fitting, roomy], lambda: saves.append(1))
+    runner.run_capped_references([*rows, fitting, roomy, below], lambda: saves.append(1))
     capped = fitting["capped_references"]["ac"]
     assert set(capped) == {
         "status",
@@ -723,4 +724,5 @@ def test_references_whose_reserved_passes_a_budget_run_again_under_its_cap() -> 
     }
     assert capped["status"] == "ok" and capped["step_s"] > 0
     assert "capped_references" not in roomy  # AC's 1.2 GiB reserved fits under 1.3: nothing to find out
+    assert "capped_references" not in below  # below the floor row's budget: B2 does not count it
     assert saves == [1] and runner.rows["ac"] is rows[1]

@@ -128,6 +128,12 @@ def test_b2_a_reference_whose_reserved_passes_the_budget_counts_as_it_ran_under_
     v = verdicts([result("llama1b-s4k", rows)])["B2"]
     assert v.status == "met"
     assert "no other row fits under the budget; under the same cap ac OOM" in v.detail
+    # A second run that failed otherwise says nothing of the fit: the reference counts as first measured.
+    ours["capped_references"] = {"ac": {"status": "error: RuntimeError: boom", "step_s": None}}
+    v = verdicts([result("llama1b-s4k", rows)])["B2"]
+    assert v.status == "missed"
+    assert "vs ac 1.250 s at 20.0 GiB (its run under the same cap: error: RuntimeError: boom) (1.06x)" in v.detail
+    ours["capped_references"] = {"ac": {"status": "OOM", "step_s": None}}
     # A faster reference that fits by its reserved bytes too is never run again, and still decides.
     rows.append(row("ac+offload", 1.00, 19.0, reserved=20.0, offloaded_gib=1.0))
     assert report.references_in_doubt(ours, rows) == ["ac"]
