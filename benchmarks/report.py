@@ -774,14 +774,15 @@ def _capped_references_table(rows: list[dict[str, Any]]) -> list[str]:
         "Under the budget rows' hard caps (rows whose peak allocated fits a budget and whose peak reserved does not; "
         "run after every other row, so with expandable segments wherever an offloading row switched them on):",
         "",
-        "| budget row | cap GiB | mode | status | step s | peak GiB | reserved GiB | flushes/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| budget row | cap GiB | mode | status | step s | peak GiB | reserved GiB | flushes/step | segments |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row, name, capped in runs:
         lines.append(
             f"| {row['mode']} | {_fmt(row.get('budget_gib'), '.2f')} | {name} | {capped.get('status')} "
             f"| {_fmt(capped.get('step_s'), '.3f')} | {_fmt(capped.get('peak_alloc_gib'), '.2f')} "
-            f"| {_fmt(capped.get('peak_reserved_gib'), '.2f')} | {_fmt(capped.get('alloc_flushes_per_step'), '.1f')} |"
+            f"| {_fmt(capped.get('peak_reserved_gib'), '.2f')} | {_fmt(capped.get('alloc_flushes_per_step'), '.1f')} "
+            f"| {capped.get('allocator') or '-'} |"
         )
     return [*lines, ""]
 

@@ -51,7 +51,15 @@ GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after
 # peak) and the default (it plans for the device) excepted. An experiment: does AC fit under a budget row's cap?
 BASELINE_CAP_VARIABLE = "BENCH_CAP_GIB"
 # What a budget row keeps of a reference's run under its cap.
-_CAPPED_KEYS = ("status", "step_s", "peak_alloc_gib", "peak_reserved_gib", "alloc_flushes_per_step", "oom_step")
+_CAPPED_KEYS = (
+    "status",
+    "step_s",
+    "peak_alloc_gib",
+    "peak_reserved_gib",
+    "alloc_flushes_per_step",
+    "oom_step",
+    "allocator",
+)
 _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -480,6 +488,9 @@ class Runner:
                 started = time.perf_counter()
                 capped = self.run(MODES[name], cap_gib=budget_row["budget_gib"])
                 capped["wall_s"] = time.perf_counter() - started
+                # Whether it ran in fixed or expandable segments decides whether it fits (on an H200, AC under
+                # small-h512's 2.03 GiB cap: out of memory with fixed segments, 1.93 GiB reserved with expandable).
+                capped.setdefault("allocator", allocator_segments() if self.cuda else None)
                 budget_row.setdefault("capped_references", {})[name] = {key: capped.get(key) for key in _CAPPED_KEYS}
                 print(f"{_progress(self.workload.name, capped)} under {budget_row['mode']}'s cap", flush=True)
                 written()

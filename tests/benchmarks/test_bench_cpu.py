@@ -721,7 +721,9 @@ def test_references_whose_reserved_passes_a_budget_run_again_under_its_cap() -> 
         "peak_reserved_gib",
         "alloc_flushes_per_step",
         "oom_step",
+        "allocator",
     }
+    assert capped["allocator"] is None  # no CUDA allocator on a CPU
     assert capped["status"] == "ok" and capped["step_s"] > 0
     assert "capped_references" not in roomy  # AC's 1.2 GiB reserved fits under 1.3: nothing to find out
     assert "capped_references" not in below  # below the floor row's budget: B2 does not count it

@@ -141,7 +141,10 @@ def test_b2_a_reference_whose_reserved_passes_the_budget_counts_as_it_ran_under_
     assert v.status == "missed" and "vs ac+offload 1.000 s at 19.0 GiB (1.32x); under the same cap ac OOM" in v.detail
     # The report lists the second runs.
     text = report.markdown([result("llama1b-s4k", rows)], "t")
-    assert "| ours-budget-0.7x | 21.00 | ac | OOM | - | - | - | - |" in text
+    assert "| ours-budget-0.7x | 21.00 | ac | OOM | - | - | - | - | - |" in text
+    ours["capped_references"]["ac"]["allocator"] = "fixed"
+    text = report.markdown([result("llama1b-s4k", rows)], "t")
+    assert "| ours-budget-0.7x | 21.00 | ac | OOM | - | - | - | - | fixed |" in text
 
 
 def test_references_in_doubt_leave_out_planner_rows_failed_rows_and_rows_that_do_not_fit() -> None:
