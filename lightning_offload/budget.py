@@ -414,7 +414,7 @@ class BudgetPlanner:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
                 self._choose(memory=True)
                 return
-            if self._settling and not trying and not self._trials.trying:
+            if self._settling and not trying:  # (counting a step never starts trials: only _choose does)
                 self._settling = False
                 # (The plan's prediction too: a step without hooks never notes its backward's peak, and a caller that
                 # resets the counters between steps leaves only what came after.)
@@ -690,8 +690,9 @@ class BudgetPlanner:
         if changed:
             self._plan_since = None
         # Trials just ended, or a plan that runs other blocks or bytes follows a kept one (not a new prediction alone):
-        # its first step says whether the cache the steps before it left is worth emptying.
-        if trials.done and (trial or previous is None or timing_key(plan) != timing_key(previous)):
+        # its first step says whether the cache the steps before it left is worth emptying. (The first plan after
+        # measuring steps is armed where they end.)
+        if trials.done and (trial or (previous is not None and timing_key(plan) != timing_key(previous))):
             self._settling = True
         if changed or trial:  # the trials' outcome is told even where the last plan timed was the fastest
             text = f"memory_budget={self.budget / GiB:.2f} GiB: {trial}{plan.describe(self.budget)}"
