@@ -37,7 +37,6 @@ from benchmarks import models
 from benchmarks.workloads import CAPACITY_MODELS, WORKLOADS, tiny
 from lightning_offload import offload_activations
 from lightning_offload.policy import backward_running
-from lightning_offload.schedule import plan_candidates
 
 GiB = float(1 << 30)
 _ALL = {**WORKLOADS, **CAPACITY_MODELS}
@@ -156,7 +155,7 @@ def _candidates(planner: Any) -> list[dict[str, Any]]:
             "fits": c.fits,
             "inflight_cap": c.inflight_cap,
         }
-        for c in plan_candidates(planner.profile, planner.plan_budget)
+        for c in planner.candidates()
     ]
 
 

@@ -57,6 +57,7 @@ from lightning_offload.schedule import (
     frugal_cap,
     offload_cost_ms,
     plan_candidates,
+    with_plans_that_keep,
 )
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
@@ -96,6 +97,16 @@ _MEASURED_STEPS = 2
 # A planned step replans when its peak passes its plan's prediction by more than this share of the budget (smaller
 # misses are noise: allocator rounding, a different loss value's kernels).
 _REPLAN_SHARE = 0.02
+# With expandable segments, plans that offload nothing aim at most the margin and the replanning share below the
+# budget, whatever the measuring step's gap: that gap was reserved by frugal steps whose copies come and go (after a
+# first step that ran a block in full), while a plan without copies allocates as the model with checkpointing does.
+# On an H200, small-h512's 4 blocks checkpointed whole with nothing offloaded (AC's pattern) reserved 1.91-1.93 GiB for
+# 1.836 allocated (4-5% of its 2.02-2.03 GiB budgets) and trained under those hard caps wherever it ran with expandable
+# segments (as the planner's plan in v53-v55, as AC in v79-v84), while the gap-based aim (11% below the budget) left it
+# out for the same blocks plus 12 MiB offloaded, whose hooks cost this host-bound model 7% of its step. The plans that
+# ran out of memory under those caps (v53, v62) offloaded 0.3-0.4 GiB, and AC with fixed segments did (v51, v83): both
+# keep the gap-based aim.
+_KEEPING_MARGIN_SHARE = _PLAN_MARGIN_SHARE + _REPLAN_SHARE
 # A tail no forward reaches: the measuring step keeps every saved tensor pending (on the device) until the watermark.
 _KEEP_ALL = 1 << 62
 # The device's own budget ("auto", itself a margin below the device's total): measuring steps keep everything until
@@ -209,6 +220,31 @@ class BudgetPlanner:
         if self._reserved_gap:
             margin = max(margin, int(_RESERVED_GAP_FACTOR * self._reserved_gap + _REPLAN_SHARE * self.budget))
         return self.budget - margin
+
+    @property
+    def keeping_budget(self) -> int:
+        """What plans that offload nothing aim for: :attr:`plan_budget`, or, where the allocator maps expandable
+        segments, at most the margin and the replanning share below the budget (see ``_KEEPING_MARGIN_SHARE``)."""
+        aim = self.plan_budget
+        if not self._expandable():
+            return aim
+        return max(aim, self.budget - int(self.budget * _KEEPING_MARGIN_SHARE))
+
+    def candidates(self) -> list[Plan]:
+        """The plans the current profile offers (:func:`~lightning_offload.schedule.plan_candidates`): under
+        :attr:`plan_budget`, each replaced by the plan of the same blocks that offloads nothing where that one fits
+        :attr:`keeping_budget`."""
+        assert self.profile is not None
+        candidates = plan_candidates(self.profile, self.plan_budget)
+        keeping = self.keeping_budget
+        if keeping <= self.plan_budget:
+            return candidates
+        return with_plans_that_keep(candidates, plan_candidates(self.profile, keeping))
+
+    def _expandable(self) -> bool:
+        """Whether the allocator maps expandable segments (``False`` where the memory object cannot say)."""
+        read = getattr(self.memory, "expandable", None)
+        return bool(read()) if read is not None else False
 
     def passed_watermark(self) -> bool:
         """Whether a measuring step's device memory just passed its watermark (true once per step): from there on
@@ -676,7 +712,7 @@ class BudgetPlanner:
         correction towards ``memory`` chooses again (the fastest timed plan that still fits, or the plans that fit now
         timed in turn): what later steps teach about time is what the trials measured."""
         assert self.profile is not None
-        candidates = plan_candidates(self.profile, self.plan_budget)
+        candidates = self.candidates()
         plan, trials = cheapest_plan(candidates), self._trials
         if trials.done and trials.timed:
             if not memory:

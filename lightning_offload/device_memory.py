@@ -80,6 +80,10 @@ class DeviceMemory:
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def expandable(self) -> bool:
+        """Whether the allocator maps expandable segments (:func:`expandable_segments`)."""
+        return expandable_segments()
+
     def release_cache(self) -> None:
         """Return the allocator's cached, unused memory to the device (never while a CUDA graph is being captured)."""
         if not torch.cuda.is_current_stream_capturing():

@@ -452,6 +452,14 @@ def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     return candidates
 
 
+def with_plans_that_keep(candidates: Sequence[Plan], looser: Sequence[Plan]) -> list[Plan]:
+    """``candidates`` (:func:`plan_candidates` under one aim), each shape's plan replaced by the same shape's plan in
+    ``looser`` (the same under a higher aim) where that one offloads nothing and fits: plans without copies may aim
+    higher than plans with them (:attr:`~lightning_offload.budget.BudgetPlanner.keeping_budget`)."""
+    keeping = {_shape(p): p for p in looser if p.fits and not p.offload_bytes}
+    return [p if p.fits and not p.offload_bytes else keeping.get(_shape(p), p) for p in candidates]
+
+
 # What running a block with elementwise recompute costs, as a share of what checkpointing it whole costs (recomputing
 # its forward). Measured on an H200 with every block so, against every block checkpointed whole: Llama-8B LoRA at
 # 8192 tokens 0.45, Llama-1B at 2 x 4096 tokens 0.81 (small kernels: the selective checkpointing's dispatch on the host

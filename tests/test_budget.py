@@ -19,7 +19,7 @@ from lightning_offload import OffloadOptions, offload_activations, plan_trials
 from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
-from lightning_offload.schedule import StepProfile, cheapest_plan, plan_candidates, trial_plans
+from lightning_offload.schedule import StepProfile, cheapest_plan, trial_plans
 from lightning_offload.streams import SimulatedStreams
 from tests.models import Mix, assert_same_grads
 
@@ -646,8 +646,8 @@ def test_trials_time_the_plans_worth_comparing_and_keep_the_fastest(caplog: pyte
         steps = run_steps(engine, model, x, 2)  # the measuring steps
         planner = engine.planner
         assert planner is not None and planner.profile is not None
-        model_choice = cheapest_plan(plan_candidates(planner.profile, planner.plan_budget))
-        compared = trial_plans(planner.profile, plan_candidates(planner.profile, planner.plan_budget))
+        model_choice = cheapest_plan(planner.candidates())
+        compared = trial_plans(planner.profile, planner.candidates())
         assert model_choice.offload_bytes > 0 and len(compared) >= 2
         assert any(p.offload_bytes == 0 for p in compared)
         tried = []
@@ -702,7 +702,7 @@ def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cach
     assert "the allocator flushed its cache in 3 of 3 steps" in caplog.text
     stepped = [
         p
-        for p in plan_candidates(planner.profile, planner.plan_budget)  # type: ignore[arg-type]
+        for p in planner.candidates()  # type: ignore[arg-type]
         if p.peak <= (1 - plan_trials.FLUSH_STEP_DOWN) * unflushed.peak and p.fits and not p.light_blocks
     ]
     added = min(stepped, key=lambda p: (p.extra_ms, -p.peak))
@@ -871,7 +871,7 @@ def test_without_trials_the_models_cheapest_plan_runs() -> None:
     run_steps(engine, model, x, 2)
     planner = engine.planner
     assert planner is not None and planner.profile is not None
-    expected = cheapest_plan(plan_candidates(planner.profile, planner.plan_budget))
+    expected = cheapest_plan(planner.candidates())
     steps = run_steps(engine, model, x, 4)
     assert not planner.trying and planner.plan is not None
     assert (planner.plan.offload_bytes, planner.plan.checkpoint_blocks) == (
@@ -893,7 +893,7 @@ def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit
     run_steps(engine, model, x, 2)
     planner = engine.planner
     assert planner is not None and planner.profile is not None
-    compared = trial_plans(planner.profile, plan_candidates(planner.profile, planner.plan_budget))
+    compared = trial_plans(planner.profile, planner.candidates())
     run_steps(engine, model, x, 4 * len(compared) + 1)
     chosen = planner.plan
     assert chosen is not None and not planner.trying and chosen.offload_bytes == 0
@@ -950,6 +950,49 @@ def test_plans_aim_lower_where_the_pressed_measuring_step_reserved_far_past_its_
     else:
         assert aim == pytest.approx(budget * (1 - expected_margin), rel=1e-3)
         assert planner.plan.peak <= aim
+
+
+@pytest.mark.parametrize("segments", ["expandable", "fixed", "unknown"])
+def test_plans_that_offload_nothing_aim_higher_than_the_pressed_gap_allows_where_segments_expand(
+    segments: str,
+) -> None:
+    """The measuring steps' pressed gap (6% of the budget: plans aim 11% below it) was reserved by frugal steps whose
+    copies come and go. With expandable segments a plan that offloads nothing, which allocates as the model does,
+    aims only the margin and the replanning share (7%) below the budget: here the plan that checkpoints enough blocks
+    and offloads nothing fits that aim, costs less than offloading over a slow link, and runs without hooks, every step
+    within the budget and with the plain gradients. Plans that offload keep the gap-based aim, and so does every plan
+    with fixed segments, or where the allocator cannot say which it maps."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    model = Stack(SimulatedStreams(lag=0, bytes_per_ms=float(4 * KiB)))  # a slow link: offloading costs more
+    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
+    memory.unhooked_model, memory.unhooked_input = model, x
+    budget = int(6 * act * 0.92 / 0.915)  # every block checkpointed, nothing offloaded, predicts 91.5% of it
+    flushes = itertools.count()
+    memory.reserved_peak = lambda: memory.peak() + int(0.06 * budget)  # type: ignore[attr-defined]
+    memory.alloc_retries = lambda: next(flushes)  # type: ignore[attr-defined]
+    if segments != "unknown":
+        memory.expandable = lambda: segments == "expandable"  # type: ignore[attr-defined]
+    engine = planned_engine(budget, memory, model, model.sim)  # type: ignore[arg-type]
+    steps = run_steps(engine, model, x, 5)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    assert planner.plan_budget == pytest.approx(0.89 * budget, rel=1e-3)
+    candidates = planner.candidates()
+    assert all(c.peak <= planner.plan_budget for c in candidates if c.fits and c.offload_bytes)
+    if segments == "expandable":
+        assert planner.keeping_budget == pytest.approx(0.93 * budget, rel=1e-3)
+        plan = planner.plan
+        assert plan.offload_bytes == 0 and plan.checkpoint_blocks >= 1
+        assert planner.plan_budget < plan.peak <= planner.keeping_budget
+        assert [s["hooked"] for s in steps] == [True, True, False, False, False]
+    else:
+        assert planner.keeping_budget == planner.plan_budget
+        assert all(c.peak <= planner.plan_budget for c in candidates if c.fits)
+        assert planner.plan.offload_bytes > 0 and all(s["hooked"] for s in steps)
+    assert max(memory.peaks[2:]) <= budget
+    for step in steps:
+        assert_same_grads(step["grads"], reference_grads(x))
 
 
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
@@ -1232,7 +1275,7 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
     plan = planner.plan
     assert plan is not None and plan.checkpoint_blocks > 0 and plan.fits
     # The candidates a diagnosis lists (one per number of checkpointed blocks) hold the chosen plan as their cheapest.
-    candidates = plan_candidates(planner.profile, planner.plan_budget)
+    candidates = planner.candidates()
     assert len(candidates) == 33 and min(c.extra_ms for c in candidates if c.fits) == plan.extra_ms
 
     def planned_step(peak: int) -> None:
