@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_offload.device_memory import DeviceMemory
+from lightning_offload.device_memory import DeviceMemory, cache_worth_emptying
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
@@ -82,15 +82,6 @@ _MIN_MARGIN = 3 * GiB
 # above their predictions and reserved 1.99 GiB in a fresh process, and ran out of memory in two of five benchmark runs.
 _PLAN_MARGIN_SHARE = 0.05
 _RESERVED_GAP_FACTOR = 1.5
-# A kept plan's first step that finds the allocator holding more than this multiple of its peak allocated memory
-# (cached by the measuring steps and the plans under trial before it, in a layout of their own: expandable segments are
-# never unmapped but by emptying the cache) empties the cache once, before the next step, where the budget leaves room
-# for a layout mapped afresh to reserve _FRESH_LAYOUT_ROOM x that peak. On an H200 the small-vocab model's 8 GiB row
-# reserved 7.7 GiB for 6.2 allocated after its trials, 6.7 once emptied; where the budget was close to the peak,
-# Llama-1B's kept plans under hard caps at 0.9x and at the floor (5-6% of room) emptied each time then flushed the
-# cache in every step (1.10x -> 1.77x `none`'s step time): a layout mapped afresh reached the cap there.
-_SETTLED_RESERVED_RATIO = 1.10
-_FRESH_LAYOUT_ROOM = 1.15
 # Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
 # allocated at the first step), so the second is the one every later step looks like.
 _MEASURED_STEPS = 2
@@ -187,7 +178,7 @@ class BudgetPlanner:
         # offloaded from its first saved tensor (see _warn_frugal_step).
         self._measured_peaks: tuple[int, int, int, bool] = (0, 0, 0, False)
         self._trials = PlanTrials(trials)  # the current profile's plans timed against each other
-        # The next planned step that times no plan is a newly kept plan's first: see _SETTLED_RESERVED_RATIO.
+        # The next planned step that times no plan is a newly kept plan's first: see _cache_worth_emptying.
         self._settling = False
         self._release_cache = False  # ... and it found the cache worth emptying before the step after it
 
@@ -469,13 +460,13 @@ class BudgetPlanner:
                 self._choose()
 
     def _cache_worth_emptying(self, peak: int) -> bool:
-        """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding more
-        than :data:`_SETTLED_RESERVED_RATIO` x that while the budget has room for a layout mapped afresh
-        (:data:`_FRESH_LAYOUT_ROOM` x the peak): the cache is then emptied once, before the next step."""
-        if not peak or self.budget < _FRESH_LAYOUT_ROOM * peak:
-            return False
+        """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding far
+        more than that while the budget has room for a layout mapped afresh
+        (:func:`~lightning_offload.device_memory.cache_worth_emptying`): the cache is then emptied once, before the
+        next step. (On an H200 the small-vocab model's 8 GiB row reserved 7.7 GiB for 6.2 allocated after its measuring
+        steps and trials, 6.7 once emptied.)"""
         reserved = self._counter("reserved")
-        if reserved <= _SETTLED_RESERVED_RATIO * peak:
+        if not cache_worth_emptying(reserved, peak, self.budget):
             return False
         _log.debug(
             "memory_budget=%.2f GiB: the kept plan's first step found %.2f GiB reserved for a %.2f GiB peak (cached by "

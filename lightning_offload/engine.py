@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, plan_step, planner_for
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
-from lightning_offload.device_memory import use_expandable_segments
+from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
@@ -58,8 +58,9 @@ class OffloadEngine:
         local_processes: processes on this machine, each with its own pool: the default host limit is split between
             them. ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).
         streams: the stream backend for ``mode="streamed"``; ``None``: CUDA streams on CUDA, simulated on the CPU.
-        memory: the device's allocator counters for the memory-budget planner (``None``: CUDA's; without CUDA
-            and without this, no planning). Tests pass a fake.
+        memory: the device's allocator counters for the memory-budget planner, or, without one, for emptying the
+            cache once after the first steps (:class:`~lightning_offload.device_memory.SettledCache`); ``None``:
+            CUDA's (without CUDA and without this, neither). Tests pass a fake.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class OffloadEngine:
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
+        self._settling: SettledCache | None = None  # without a planner: the cache emptied once, after the first steps
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
         self._transfer: Transfer = SyncTransfer()
@@ -106,6 +108,8 @@ class OffloadEngine:
         if self._device is None:
             self._resolve_device()
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
+        if self._settling is not None and self._settling.step_begins():
+            _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied once")
         plan_limit = None
         if self.planner is not None:
             plan_limit = plan_step(
@@ -206,6 +210,8 @@ class OffloadEngine:
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
         model = self._model_ref() if self._model_ref is not None else None
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
+        if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
+            self._settling = SettledCache(self._memory if self._memory is not None else DeviceMemory(device))
 
     def _offloading_starts(self) -> bool:
         """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones when copies
@@ -312,6 +318,8 @@ class OffloadEngine:
 
     def _backward_finished(self) -> None:
         self._transfer.backward_ended()
+        if self._settling is not None:
+            self._settling.backward_finished()
         if self.planner is not None:
             self.planner.backward_finished()
 

@@ -606,6 +606,30 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
     assert torch.cuda.memory_reserved() < held - plain_peak / 2, (torch.cuda.memory_reserved() / GiB, held / GiB)
 
 
+def test_hand_tuned_offloading_returns_once_what_its_first_step_left_cached() -> None:
+    """Without a memory budget the engine reads the allocator as its second step begins: memory its first step left
+    cached (here a tensor of twice the step's peak, freed after it) is returned then, once, and the gradients stay
+    the plain ones."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=12).cuda()
+    tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    engine = offload_activations(model=model, **EVERYTHING)
+    _step_peak(model, tokens, engine)
+    junk = torch.empty(2 * plain_peak, dtype=torch.uint8, device="cuda")
+    del junk
+    held = torch.cuda.memory_reserved()
+    reserved = []
+    for _ in range(4):
+        _, grads = _step_peak(model, tokens, engine)
+        reserved.append(torch.cuda.memory_reserved())
+        for ref, got in zip(reference, grads, strict=True):
+            assert torch.equal(ref, got)
+    assert reserved[0] < held - plain_peak, ([r / GiB for r in reserved], held / GiB)
+    assert engine._settling is not None and engine._settling.released
+
+
 def test_elementwise_recompute_with_streamed_offloading_gives_the_plain_gradients() -> None:
     """Every block with elementwise recompute (products and attention kept on the device, the rest recomputed), alone
     and with the streamed engine offloading what it sees (the blocks' inputs, the head's tensors): the plain gradients
