@@ -80,8 +80,9 @@ def memory_budget_available() -> bool:
 
 
 NO_BUDGET_API = "not measured: memory_budget not available"
-# Warm-up steps of a row whose engine plans under a memory budget (see ``_measure``).
+# Warm-up steps of a row whose engine plans under a memory budget (see ``_measure``), and of one whose engine does not.
 PLANNER_WARMUP = 3
+SETTLED_WARMUP = 3
 # Planner rows keep warming up (up to this many steps) while their plan changes, is being timed against others or they
 # pin new host buffers: what a long run sees is the settled plan, and one step that pins 15 GiB takes seconds. Two
 # measuring steps and up to six plans under trial for four or five steps each come first. (At 20, the rows of
@@ -582,6 +583,10 @@ class Runner:
             # offloads into (0.4 s per GiB on an H200: 8B LoRA's first planned steps took 1.33-1.52 s, later ones
             # 1.17 s). Other offloading rows pin in their first step, which a warm-up of 2 already covers.
             warmup = max(warmup, PLANNER_WARMUP)
+        elif engine is not None:
+            # An engine without a budget may empty the allocator's cache as its second and third steps begin (what the
+            # steps before left cached): the timed steps, and their reserved peak, come after.
+            warmup = max(warmup, SETTLED_WARMUP)
         # Per step of a planning row: the plan it ran, the host buffers it pinned, whether the plan was under trial.
         ran: list[tuple[Any, int, bool]] = []
         collections: list[tuple[list[int], list[float]]] = []  # per timed step: per generation, count and ms

@@ -608,8 +608,8 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
 
 def test_hand_tuned_offloading_returns_once_what_its_first_step_left_cached() -> None:
     """Without a memory budget the engine reads the allocator as its second step begins: memory its first step left
-    cached (here a tensor of twice the step's peak, freed after it) is returned then, once, and the gradients stay
-    the plain ones."""
+    cached (here a tensor of twice the step's peak, freed after it) is returned then, and the gradients stay the plain
+    ones."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
@@ -627,7 +627,7 @@ def test_hand_tuned_offloading_returns_once_what_its_first_step_left_cached() ->
         for ref, got in zip(reference, grads, strict=True):
             assert torch.equal(ref, got)
     assert reserved[0] < held - plain_peak, ([r / GiB for r in reserved], held / GiB)
-    assert engine._settling is not None and engine._settling.released
+    assert engine._settling is not None and engine._settling.releases >= 1
 
 
 def test_elementwise_recompute_with_streamed_offloading_gives_the_plain_gradients() -> None:
