@@ -584,8 +584,8 @@ class Runner:
             # 1.17 s). Other offloading rows pin in their first step, which a warm-up of 2 already covers.
             warmup = max(warmup, PLANNER_WARMUP)
         elif engine is not None:
-            # An engine without a budget may empty the allocator's cache as its second and third steps begin (what the
-            # steps before left cached): the timed steps, and their reserved peak, come after.
+            # An engine that does not plan may empty the allocator's cache as it installs after each of its first two
+            # optimizer steps (what the steps before left cached): the timed steps, and their reserved peak, come after.
             warmup = max(warmup, SETTLED_WARMUP)
         # Per step of a planning row: the plan it ran, the host buffers it pinned, whether the plan was under trial.
         ran: list[tuple[Any, int, bool]] = []

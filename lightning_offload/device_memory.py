@@ -7,9 +7,11 @@ Torch only: no Lightning import.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _switched = False  # expandable segments were switched on in this process
 # Steps that shaped the allocator's cache in a layout of their own (a memory-budget planner's measuring steps and plans
@@ -22,12 +24,13 @@ _switched = False  # expandable segments were switched on in this process
 # cache in every step (1.10x -> 1.77x `none`'s step time): a layout mapped afresh reached the cap there.
 _SETTLED_RESERVED_RATIO = 1.10
 _FRESH_LAYOUT_ROOM = 1.15
-# Without a memory budget, the engine's installs that read what the steps before them left: the second (the first
-# step allocates the optimizer's state after its backward, into room its activations had used) and the third (the
-# second step's activations, mapped around that state, are the layout every later step repeats). On an H200 the
-# hand-tuned `ac+offload` rows trained under hard caps with 1.01x (Llama-1B) and 1.06x (small-h512) reserved and no
-# flush once the allocator had flushed while they warmed up; uncapped they kept 1.22x and 1.15x for good.
-_SETTLE_AT_INSTALLS = (2, 3)
+# Without a memory-budget planner, the engine reads what the steps before left cached as it installs after each of the
+# first this-many optimizer steps: the first allocates the optimizer's state, after its backward, into room the
+# activations had used; the second step's activations, mapped around that state, are the layout every later step
+# repeats. On an H200, emptying the cache as the second and third steps began took Llama-1B's hand-tuned `ac+offload`
+# from 1.22x to 1.14x reserved per allocated (small-h512's stayed at 1.15x, as AC's own); checked as the second began
+# only, nothing changed.
+_SETTLE_AFTER_OPTIMIZER_STEPS = 2
 
 
 class AllocatorCounters(NamedTuple):
@@ -97,11 +100,14 @@ class DeviceMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def limit(self) -> int:
-        """Bytes the process may reserve: the device's total, or less under a hard cap
-        (``torch.cuda.set_per_process_memory_fraction``)."""
+        """Bytes the process may hold: what the device has free plus what this process reserved, and no more than a
+        hard cap (``torch.cuda.set_per_process_memory_fraction``, where torch can say)."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        limit = free + self.reserved()
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        share = fraction(self.device) if fraction is not None else 1.0
-        return int(self.total() * min(1.0, share))
+        if fraction is not None:
+            limit = min(limit, int(self.total() * fraction(self.device)))
+        return limit
 
     def expandable(self) -> bool:
         """Whether the allocator maps expandable segments (:func:`expandable_segments`)."""
@@ -171,46 +177,90 @@ def cache_worth_emptying(reserved: int, peak: int, room: int) -> bool:
 
 
 class SettledCache:
-    """For an engine without a memory budget: empties the allocator's cache as the engine's second and third steps
-    begin, each time the steps before left far more reserved than they peaked at (:func:`cache_worth_emptying`, with
-    the device's limit, or the process's cap, as the room); never later.
+    """For an engine that does not plan: empties the allocator's cache as the engine installs after each of its first
+    two optimizer steps, where the steps before left it holding far more than they peaked at
+    (:func:`cache_worth_emptying`; the room is the device's limit, or the budget given, if lower).
+
+    Optimizer steps are seen through torch's global optimizer hook (every ``torch.optim.Optimizer``), so gradient
+    accumulation's many installs per step count once; a loop without a torch optimizer is never checked. The peak
+    counter is reset once, at the first install (the planner resets it at every step): earlier work in the process
+    (a baseline step, loading weights) would otherwise stand for the engine's own peak.
 
     Args:
         memory: the allocator's counters (:class:`DeviceMemory`, or a test's object with ``peak``, ``reserved``,
-            ``total`` and ``release_cache``; ``limit`` where it has one).
+            ``total``, ``reset_peak`` and ``release_cache``; ``limit`` where it has one).
+        budget: a ``memory_budget`` given without planning (manual overrides): the room is no more than that.
     """
 
-    def __init__(self, memory: Any) -> None:
+    def __init__(self, memory: Any, budget: int | None = None) -> None:
         self.memory = memory
-        self._installs = 0
-        self._peak = 0  # the highest peak the earlier steps' backward passes ended with
+        self.budget = budget
+        self._started = False
+        self._optimizer_steps = 0
+        self._armed = False  # an optimizer step ended since the last install: the next install checks
+        self._peak = 0  # the highest peak the backward passes since the first install ended with
         self.releases = 0
+        self._hook: Any = None
 
     @property
     def settled(self) -> bool:
-        return self._installs >= _SETTLE_AT_INSTALLS[-1]
+        return self._optimizer_steps >= _SETTLE_AFTER_OPTIMIZER_STEPS and not self._armed
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer step ended (torch's global hook calls this while the cache is not settled)."""
+        if self._started and self._optimizer_steps < _SETTLE_AFTER_OPTIMIZER_STEPS:
+            self._optimizer_steps += 1
+            self._armed = True
 
     def backward_finished(self) -> None:
-        """Note the peak as a backward before the last check ends (a caller may reset the counters between steps)."""
-        if not self.settled:
+        """Note the peak as a backward ends (a caller may reset the counters between steps)."""
+        if self._started and not self.settled:
             self._peak = max(self._peak, self.memory.peak())
 
     def step_begins(self) -> bool:
-        """The engine installs for a step; at the second and third, empty the cache if it is worth it. Returns whether
-        it was."""
+        """The engine installs for a step; after an optimizer step of the first two, empty the cache if it is worth
+        it. Returns whether it was."""
+        if not self._started:
+            self._started = True
+            reset = getattr(self.memory, "reset_peak", None)
+            if reset is not None:
+                reset()
+            self._hook = _optimizer_step_hook(self)
+            return False
+        if not self._armed:
+            return False
+        self._armed = False
         if self.settled:
-            return False
-        self._installs += 1
-        if self._installs not in _SETTLE_AT_INSTALLS:
-            return False
+            self.close()
         reserved, release = getattr(self.memory, "reserved", None), getattr(self.memory, "release_cache", None)
         if reserved is None or release is None:  # counters that cannot say (a test's fake)
             return False
         peak = max(self._peak, self.memory.peak())
         limit = getattr(self.memory, "limit", None)
         room = limit() if limit is not None else self.memory.total()
+        if self.budget is not None:
+            room = min(room, self.budget)
         if not cache_worth_emptying(reserved(), peak, room):
             return False
         release()
         self.releases += 1
         return True
+
+    def close(self) -> None:
+        """Stop listening to optimizer steps."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+
+
+def _optimizer_step_hook(settling: SettledCache) -> Any:
+    """Register torch's global optimizer step post-hook for ``settling``, held weakly (a dropped engine leaves a hook
+    that does nothing until the process ends or it is removed)."""
+    ref = weakref.ref(settling)
+
+    def stepped(*_: Any) -> None:
+        target = ref()
+        if target is not None:
+            target.optimizer_stepped()
+
+    return register_optimizer_step_post_hook(stepped)

@@ -147,6 +147,8 @@ class OffloadEngine:
         self.uninstall()
         if self.planner is not None:
             self.planner.remove()
+        if self._settling is not None:
+            self._settling.close()
 
     def __enter__(self) -> OffloadEngine:
         self.install()
@@ -211,7 +213,8 @@ class OffloadEngine:
         model = self._model_ref() if self._model_ref is not None else None
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
         if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
-            self._settling = SettledCache(self._memory if self._memory is not None else DeviceMemory(device))
+            memory = self._memory if self._memory is not None else DeviceMemory(device)
+            self._settling = SettledCache(memory, self.options.budget_bytes())
 
     def _offloading_starts(self) -> bool:
         """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones when copies

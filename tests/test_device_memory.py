@@ -19,7 +19,7 @@ class Counters:
     def __init__(self, peak: int, reserved: int, limit: int | None = 100 * GiB, allocated: int = 0) -> None:
         self.peak_bytes, self.reserved_bytes, self.allocated_bytes = peak, reserved, allocated
         self._limit = limit
-        self.releases = 0
+        self.releases = self.resets = 0
 
     def peak(self) -> int:
         return self.peak_bytes
@@ -33,6 +33,9 @@ class Counters:
     def limit(self) -> int:
         assert self._limit is not None
         return self._limit
+
+    def reset_peak(self) -> None:
+        self.resets += 1
 
     def release_cache(self) -> None:
         self.releases += 1
@@ -52,40 +55,71 @@ def test_the_cache_is_worth_emptying_only_past_a_tenth_above_the_peak_and_with_r
     assert not cache_worth_emptying(reserved, 0, room)  # no peak read: nothing to compare with
 
 
-def test_the_second_and_third_installs_empty_the_cache_where_the_steps_before_left_it_holding_far_more() -> None:
-    """The first step peaks at 10 GiB (a caller resets the counters after it, so the check keeps what its backward
-    ended with); 13 GiB stay reserved: the second install empties the cache. The second step leaves 13 GiB again: the
-    third empties it too. Later installs never read the counters, whatever they hold."""
+def _steps(settling: SettledCache, memory: Counters, count: int, optimizer: bool = True) -> list[bool]:
+    """``count`` steps of an engine: an install (whether it emptied the cache), a backward, an optimizer step."""
+    emptied = []
+    for _ in range(count):
+        emptied.append(settling.step_begins())
+        settling.backward_finished()
+        if optimizer:
+            settling.optimizer_stepped()
+    return emptied
+
+
+def test_the_installs_after_the_first_two_optimizer_steps_empty_the_cache_where_far_more_is_held() -> None:
+    """The first step peaks at 10 GiB and leaves 13 GiB reserved: the install after its optimizer step empties the
+    cache. The second leaves 13 GiB again: the next install empties it too. Later installs never read the counters,
+    whatever they hold; the first install reset the peak counter (earlier work must not stand for the engine's peak)."""
     memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
     settling = SettledCache(memory)
-    assert not settling.step_begins()
-    settling.backward_finished()
-    memory.peak_bytes = 4 * GiB  # the caller's reset after the step
-    assert settling.step_begins() and memory.releases == 1
+    assert _steps(settling, memory, 2) == [False, True]
+    assert memory.resets == 1 and memory.releases == 1
     memory.reserved_bytes = 13 * GiB
-    assert settling.step_begins() and memory.releases == 2 and settling.settled
+    memory.peak_bytes = 4 * GiB  # a caller's reset after the backward: the peak its backward ended with still counts
+    assert _steps(settling, memory, 1) == [True] and settling.settled
     memory.reserved_bytes = 20 * GiB
-    for _ in range(3):
-        assert not settling.step_begins()
+    assert _steps(settling, memory, 3) == [False] * 3
     assert memory.releases == settling.releases == 2
+
+
+def test_gradient_accumulation_is_checked_after_the_optimizer_steps_not_after_each_micro_batch() -> None:
+    """Four micro-batches per optimizer step: the installs before the first optimizer step never read the counters
+    (the optimizer's state, which shapes the layout, is not there yet); the first install after it does."""
+    memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
+    settling = SettledCache(memory)
+    emptied = []
+    for _ in range(3):
+        emptied += _steps(settling, memory, 3, optimizer=False)
+        emptied += _steps(settling, memory, 1)
+        memory.reserved_bytes = 13 * GiB
+    assert emptied == [False] * 4 + [True] + [False] * 3 + [True] + [False] * 3
+    assert settling.settled
 
 
 def test_a_layout_that_settled_after_the_first_step_is_emptied_only_once() -> None:
     memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
     settling = SettledCache(memory)
-    assert [settling.step_begins() for _ in range(2)] == [False, True]
+    assert _steps(settling, memory, 2) == [False, True]
     memory.reserved_bytes = int(10.5 * GiB)  # the second step mapped what it needed, no more
-    assert [settling.step_begins() for _ in range(3)] == [False] * 3
+    assert _steps(settling, memory, 3) == [False] * 3
     assert memory.releases == 1
 
 
-@pytest.mark.parametrize(("reserved", "limit"), [(10.5, 100), (13, 11)])
-def test_the_cache_is_left_alone_where_it_holds_little_more_than_the_peak_or_the_cap_has_no_room(
-    reserved: float, limit: int
-) -> None:
-    memory = Counters(peak=10 * GiB, reserved=int(reserved * GiB), limit=limit * GiB)
+def test_a_loop_without_a_torch_optimizer_is_never_checked() -> None:
+    memory = Counters(peak=10 * GiB, reserved=13 * GiB)
     settling = SettledCache(memory)
-    assert [settling.step_begins() for _ in range(4)] == [False] * 4
+    assert _steps(settling, memory, 5, optimizer=False) == [False] * 5 and memory.releases == 0
+
+
+@pytest.mark.parametrize(("reserved", "limit", "budget"), [(10.5, 100, None), (13, 11, None), (13, 100, 11)])
+def test_the_cache_is_left_alone_where_it_holds_little_more_than_the_peak_or_there_is_no_room(
+    reserved: float, limit: int, budget: int | None
+) -> None:
+    """10.5 GiB reserved for a 10 GiB peak is not worth it; an 11 GiB cap, or an 11 GiB budget given without planning,
+    leaves no room for a layout mapped afresh."""
+    memory = Counters(peak=10 * GiB, reserved=int(reserved * GiB), limit=limit * GiB)
+    settling = SettledCache(memory, budget * GiB if budget is not None else None)
+    assert _steps(settling, memory, 4) == [False] * 4
     assert memory.releases == settling.releases == 0
 
 
@@ -102,23 +136,26 @@ def test_counters_without_a_cache_to_empty_are_left_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "expected"),
+    ("options", "optimizer", "expected"),
     [
-        ({"memory_budget": None}, [0, 1, 1, 1, 1]),
-        ({"memory_budget": None, "mode": "off"}, [0] * 5),
-        ({"memory_budget": 50 * GiB}, [0, 0, 0, 1, 1]),
+        ({"memory_budget": None}, True, [0, 1, 1, 1, 1]),
+        ({"memory_budget": None}, False, [0] * 5),
+        ({"memory_budget": None, "mode": "off"}, True, [0] * 5),
+        ({"memory_budget": 50 * GiB}, True, [0, 0, 0, 1, 1]),
     ],
 )
-def test_an_engine_without_a_budget_empties_the_cache_after_its_first_step(options: dict, expected: list[int]) -> None:
-    """Hand-tuned offloading (no memory budget) empties the cache as its second step begins where the first left it
-    holding far more than it peaked at (and would again as the third begins, had the second too); counting only
-    (``mode="off"``) leaves the allocator alone, and under a budget the planner decides: once, after its two measuring
-    steps and its kept plan's first step."""
+def test_an_engine_that_does_not_plan_empties_the_cache_after_its_first_optimizer_step(
+    options: dict, optimizer: bool, expected: list[int]
+) -> None:
+    """Hand-tuned offloading (no memory budget) empties the cache as it installs after its first optimizer step, where
+    the step before left it holding far more than it peaked at (and would again after the second, had that one too).
+    Without a torch optimizer it never reads the counters; counting only (``mode="off"``) leaves the allocator alone;
+    under a budget the planner decides: once, after its two measuring steps and its kept plan's first step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
     memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
     memory.allocated = lambda: memory.allocated_bytes  # type: ignore[attr-defined]
-    memory.reset_peak = lambda: None  # type: ignore[attr-defined]
     memory.alloc_retries = lambda: 0  # type: ignore[attr-defined]
     engine = OffloadEngine(
         OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, **options), model=model, memory=memory
@@ -128,5 +165,29 @@ def test_an_engine_without_a_budget_empties_the_cache_after_its_first_step(optio
         with engine:
             loss = model(torch.randn(8, 64)).sum()
         loss.backward()
+        if optimizer:
+            sgd.step()
         released.append(memory.releases)
+    engine.close()
     assert released == expected
+
+
+def test_a_closed_engine_stops_listening_to_optimizer_steps() -> None:
+    model = nn.Linear(64, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
+    memory.allocated = lambda: memory.allocated_bytes  # type: ignore[attr-defined]
+    engine = OffloadEngine(
+        OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, memory_budget=None),
+        model=model,
+        memory=memory,
+    )
+    with engine:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    engine.close()
+    sgd.step()  # after close: not counted
+    with engine:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert memory.releases == 0

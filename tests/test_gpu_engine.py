@@ -606,26 +606,30 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
     assert torch.cuda.memory_reserved() < held - plain_peak / 2, (torch.cuda.memory_reserved() / GiB, held / GiB)
 
 
-def test_hand_tuned_offloading_returns_once_what_its_first_step_left_cached() -> None:
-    """Without a memory budget the engine reads the allocator as its second step begins: memory its first step left
-    cached (here a tensor of twice the step's peak, freed after it) is returned then, and the gradients stay the plain
-    ones."""
+def test_hand_tuned_offloading_returns_what_its_first_step_left_cached() -> None:
+    """Without a memory budget the engine reads the allocator as it installs after the first optimizer step: memory the
+    first step left cached (here a tensor of twice the step's peak, freed after it) is returned then, and the
+    gradients stay the plain ones."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
     _grads(model, tokens, None, True)
     plain_peak, reference = _step_peak(model, tokens, None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # steps (torch's hook sees them), changes nothing
     engine = offload_activations(model=model, **EVERYTHING)
     _step_peak(model, tokens, engine)
+    optimizer.step()
     junk = torch.empty(2 * plain_peak, dtype=torch.uint8, device="cuda")
     del junk
     held = torch.cuda.memory_reserved()
     reserved = []
     for _ in range(4):
         _, grads = _step_peak(model, tokens, engine)
+        optimizer.step()
         reserved.append(torch.cuda.memory_reserved())
         for ref, got in zip(reference, grads, strict=True):
             assert torch.equal(ref, got)
+    engine.close()
     assert reserved[0] < held - plain_peak, ([r / GiB for r in reserved], held / GiB)
     assert engine._settling is not None and engine._settling.releases >= 1
 

@@ -597,7 +597,7 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 def test_rows_that_plan_warm_up_past_the_planners_measuring_steps(tmp_path: Path) -> None:
     """The engine makes its planner at its first step, so the row's mode decides the warm-up: a planning row's timed
     steps start after its two measuring steps and its first planned step (which pins the plan's host buffers); an
-    engine without a budget's after its third (its second and third may empty the cache the steps before them left)."""
+    engine's that does not plan after its third (its second and third may empty the cache the steps before left)."""
     result = run_workload("small-h512", ["none", "streamed", "ours-default"], 1, 1, True, tmp_path / "w.json")
     warmups = {row["mode"]: row["warmup"] for row in result["rows"]}
     assert warmups == {"none": 1, "streamed": SETTLED_WARMUP, "ours-default": PLANNER_WARMUP}
