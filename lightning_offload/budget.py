@@ -230,7 +230,7 @@ class BudgetPlanner:
         keeping = self.keeping_budget
         if keeping <= self.plan_budget:
             return candidates
-        return with_plans_that_keep(candidates, plan_candidates(self.profile, keeping))
+        return with_plans_that_keep(candidates, plan_candidates(self.profile, keeping, keep_only=True))
 
     def _expandable(self) -> bool:
         """Whether the allocator maps expandable segments (``False`` where the memory object cannot say)."""

@@ -434,21 +434,25 @@ def cheapest_plan(candidates: Sequence[Plan]) -> Plan:
     return next((p for p in reversed(candidates) if not p.light_blocks), candidates[-1])
 
 
-def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
+def plan_candidates(profile: StepProfile, budget: int, keep_only: bool = False) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
     fits); where measured, the same with ``j`` of the other blocks recomputing only their elementwise operations (for
     every ``j`` from 1 up to all of them); and last, where the blocks can be checkpointed by their parts, every block
     so: what :func:`plan_for_budget` chooses from, listed for diagnosis (the ``k``-th is the one with ``k`` blocks
-    checkpointed whole and none light; the last without light blocks is the most frugal)."""
-    candidates = [_candidate(profile, budget, k) for k in range(profile.blocks + 1)]
+    checkpointed whole and none light; the last without light blocks is the most frugal).
+
+    ``keep_only``: each shape's plan that offloads nothing, not fitting where it passes ``budget`` (no offloading is
+    priced: :func:`with_plans_that_keep` takes only those that fit, and pricing the others cost ~7 ms for a 32-block
+    profile with light blocks)."""
+    candidates = [_candidate(profile, budget, k, keep_only=keep_only) for k in range(profile.blocks + 1)]
     if profile.lightenable:
         candidates += [
-            _candidate(profile, budget, k, light=j)
+            _candidate(profile, budget, k, light=j, keep_only=keep_only)
             for k in range(profile.blocks)
             for j in range(1, profile.blocks - k + 1)
         ]
     if profile.splittable:
-        candidates.append(_candidate(profile, budget, profile.blocks, split=True))
+        candidates.append(_candidate(profile, budget, profile.blocks, split=True, keep_only=keep_only))
     return candidates
 
 
@@ -468,9 +472,12 @@ def with_plans_that_keep(candidates: Sequence[Plan], looser: Sequence[Plan]) -> 
 ELEMENTWISE_SHARE = 0.5
 
 
-def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False, light: int = 0) -> Plan:
+def _candidate(
+    profile: StepProfile, budget: int, k: int, split: bool = False, light: int = 0, keep_only: bool = False
+) -> Plan:
     """The cheapest plan under ``budget`` with the last ``k`` blocks checkpointed (``split``: by their parts) and the
-    ``light`` blocks before them recomputing their elementwise operations, or the most frugal where none fits."""
+    ``light`` blocks before them recomputing their elementwise operations, or the most frugal where none fits
+    (``keep_only``: the one that offloads nothing, fitting or not)."""
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     eligible = _eligible(profile, k, split, light)
     # What light blocks keep on the device: out of the engine's reach, so offloading never relieves it.
@@ -487,8 +494,8 @@ def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False, l
         kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible
     recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
-    if excess <= 0:
-        return Plan(0, k, kept_peak, recompute_ms, True, split=split, light_blocks=light)
+    if excess <= 0 or keep_only:
+        return Plan(0, k, kept_peak, recompute_ms, excess <= 0, split=split, light_blocks=light)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
     movable = max(0, eligible - profile.tail)
     if profile.host_bytes:

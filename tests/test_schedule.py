@@ -375,6 +375,10 @@ def test_a_higher_aim_for_plans_without_copies_replaces_only_shapes_it_lets_keep
             assert plan == low and plan.peak <= 24 * GiB  # still offloading: the lower aim's plan
     admitted = [plan.checkpoint_blocks for plan, low in zip(merged, lower, strict=True) if plan is not low]
     assert admitted == [6, 7]
+    # Only the looser aim's plans that keep everything matter: listing just those (no offload priced) merges the same.
+    keeping = plan_candidates(p, 26 * GiB, keep_only=True)
+    assert all(not plan.offload_bytes and plan.fits == (plan.peak <= 26 * GiB) for plan in keeping)
+    assert with_plans_that_keep(lower, keeping) == merged
 
 
 def _trial_profile(forward_ms: float = 100.0, backward_ms: float = 150.0) -> StepProfile:
