@@ -371,6 +371,20 @@ class BudgetPlanner:
         self._blocks.watch(position)
         return None
 
+    def abandon_step(self) -> None:
+        """The step :meth:`begin_step` started raised (the engine dropped what it held): learn nothing from it. A
+        measuring step is measured again, so a replan after it still gets all its measuring steps (counted as ended,
+        the failed step took one: on an H200 the capacity search's next probe, Llama-1B at 10240 tokens under 24 GiB,
+        planned from a single step taken before its new optimizer had its state, and ran out of memory)."""
+        if not self._stepping:
+            return
+        self._stepping = False
+        if self._measuring:
+            self._measuring = False
+            self.watermark = None
+            self._blocks.unwatch()
+            self.tripped = self.tripped or self._frugal  # the next measuring step is as frugal as this one was
+
     def cache_emptied(self) -> None:
         """The allocator emptied its cache as this step began (it switched to expandable segments): the step's peaks and
         the reserved bytes it started from count from now, not from the segments just returned (a reserved peak left

@@ -162,9 +162,13 @@ class OffloadEngine:
     def failed(self, exc: BaseException | None) -> None:
         """The step raised ``exc``: drop what it held (:meth:`reset`); an out-of-memory error under a memory budget
         is explained in numbers (a warning)."""
+        explained = isinstance(exc, torch.cuda.OutOfMemoryError) and self.planner is not None
+        text = (
+            self.planner.out_of_memory() if explained and self.planner is not None else None
+        )  # before reset() ends it
         self.reset()
-        if isinstance(exc, torch.cuda.OutOfMemoryError) and self.planner is not None:
-            _log.warning(self.planner.out_of_memory())
+        if text is not None:
+            _log.warning(text)
 
     def refresh_parameters(self, tensors: Any = None) -> None:
         """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``).
@@ -198,6 +202,8 @@ class OffloadEngine:
             self._inbound.clear()
         self._log = SaveLog()
         self._counted = []
+        if self.planner is not None:
+            self.planner.abandon_step()  # learn nothing from a step that raised
 
     def _resolve_device(self) -> None:
         device = self.options.resolved_device() or _no_device()

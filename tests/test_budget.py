@@ -1027,6 +1027,33 @@ def test_running_out_of_memory_under_a_budget_is_explained_in_numbers(caplog: py
     assert run_steps(engine, model, torch.randn(BATCH, WIDTH), 1)[0]["hooked"]  # the next step measures again
 
 
+def test_a_step_that_raised_is_not_counted_as_measured() -> None:
+    """A measuring step that runs out of memory never ended: the steps after it measure again, and a replan (a new
+    input, as the capacity search asks for after each probe) gets its two measuring steps in full. Counted as ended, the
+    failed step took one of them: on an H200 Llama-1B's plan at 10240 tokens under 24 GiB came from a single measuring
+    step, before the new optimizer had its state (2.37 of 6.97 GiB), and ran out of memory."""
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    memory = FakeMemory(base=GiB, transient=MiB)
+    engine = planned_engine(GiB + 64 * MiB, memory, model, sim)
+    x = torch.randn(BATCH, WIDTH)
+    run_steps(engine, model, x, 1)
+    planner = engine.planner
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with engine:
+            model(x)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    engine.replan(measuring_steps=2)
+    measuring = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        with engine:
+            measuring.append(engine.planner.measuring)  # type: ignore[union-attr]
+            loss = model(x)
+        loss.backward()
+    assert planner is engine.planner and measuring == [True, True, False, False]
+
+
 def test_replan_measures_again() -> None:
     sim = SimulatedStreams(lag=0)
     model = Stack(sim)
