@@ -248,11 +248,12 @@ class BudgetPlanner:
     def out_of_memory(self) -> str:
         """Why a step ran out of memory under this budget, in numbers (the step that raised did not finish)."""
         if self._measuring:
-            what = "a measuring step, the most frugal step there is" if self.tripped else "the first measuring step"
+            frugal = self.tripped or self._frugal
+            what = "a measuring step, the most frugal step there is" if frugal else "the first measuring step"
             if self._blocks.checkpointed:
                 what += f" ({len(self._blocks.checkpointed)} of {len(self._blocks)} blocks checkpointed"
                 what += " by their parts" if self._blocks.split else ""
-                what += ", every activation offloaded)" if self.tripped else ")"
+                what += ", every activation offloaded)" if frugal else ")"
         else:
             what = f"a planned step ({self.plan.describe(self.budget)})" if self.plan is not None else "a step"
         return (
@@ -302,6 +303,8 @@ class BudgetPlanner:
         the optimizer is new too: it allocates its state in its first step)."""
         if measuring_steps < 1:
             raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
+        # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
+        self.abandon_step()
         self.profile = None
         self._measure_left = max(self._measure_left, measuring_steps)
         self._trials.reset()
@@ -371,11 +374,15 @@ class BudgetPlanner:
         self._blocks.watch(position)
         return None
 
-    def abandon_step(self) -> None:
-        """The step :meth:`begin_step` started raised (the engine dropped what it held): learn nothing from it. A
-        measuring step is measured again, so a replan after it still gets all its measuring steps (counted as ended,
-        the failed step took one: on an H200 the capacity search's next probe, Llama-1B at 10240 tokens under 24 GiB,
-        planned from a single step taken before its new optimizer had its state, and ran out of memory)."""
+    def abandon_step(self, out_of_memory: bool = False) -> None:
+        """The step :meth:`begin_step` started raised (the engine dropped what it held), or is dropped by a replan.
+        A measuring step is measured again, and its failure is not counted as ended: counted, it took one of a replan's
+        measuring steps (on an H200 the capacity search's next probe, Llama-1B at 10240 tokens under 24 GiB, planned
+        from a single step taken before its new optimizer had its state, and ran out of memory). Where it ran
+        ``out_of_memory`` the next measuring step is frugal (it offloads from the first saved tensor). A planned step
+        that ran out of memory corrects the plan towards memory by what it peaked past its prediction, and at least
+        ``_REPLAN_SHARE`` of the budget (the allocation that failed is not in the peak): a loop that skips the batch and
+        goes on does not meet the same plan again."""
         if not self._stepping:
             return
         self._stepping = False
@@ -383,7 +390,13 @@ class BudgetPlanner:
             self._measuring = False
             self.watermark = None
             self._blocks.unwatch()
-            self.tripped = self.tripped or self._frugal  # the next measuring step is as frugal as this one was
+            self.tripped = self.tripped or self._frugal or out_of_memory
+            return
+        plan, profile = self.plan, self.profile
+        if out_of_memory and plan is not None and profile is not None:
+            heavier = max(0, self.memory.peak() - plan.peak) + int(self.budget * _REPLAN_SHARE)
+            self.profile = dataclasses.replace(profile, correction=profile.correction + heavier)
+            self._choose(memory=True)
 
     def cache_emptied(self) -> None:
         """The allocator emptied its cache as this step began (it switched to expandable segments): the step's peaks and

@@ -260,9 +260,9 @@ class ActivationOffloadCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._leave_model(pl_module)  # Lightning calls no teardown hook after an exception
         if self._engine is not None:
-            self._engine.failed(exception)
+            self._engine.failed(exception)  # before the model is left: its message names the blocks checkpointed
+        self._leave_model(pl_module)  # Lightning calls no teardown hook after an exception
         if self._picture is not None:
             self._picture.close()
         self._reporter.discard()

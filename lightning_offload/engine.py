@@ -162,10 +162,11 @@ class OffloadEngine:
     def failed(self, exc: BaseException | None) -> None:
         """The step raised ``exc``: drop what it held (:meth:`reset`); an out-of-memory error under a memory budget
         is explained in numbers (a warning)."""
-        explained = isinstance(exc, torch.cuda.OutOfMemoryError) and self.planner is not None
-        text = (
-            self.planner.out_of_memory() if explained and self.planner is not None else None
-        )  # before reset() ends it
+        out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError)
+        planner, text = self.planner, None
+        if planner is not None:
+            text = planner.out_of_memory() if out_of_memory else None  # said of the step before it is dropped
+            planner.abandon_step(out_of_memory)
         self.reset()
         if text is not None:
             _log.warning(text)
@@ -189,7 +190,9 @@ class OffloadEngine:
         """Drop everything held for the current step: after an exception, nothing may leak into the next one.
 
         Host buffers of copies that the (failed) graph still references go back to the pool; unpacking such a
-        tensor later raises a clear error instead of reading reused memory.
+        tensor later raises a clear error instead of reading reused memory. The memory-budget planner learns nothing
+        from the step (:meth:`failed` tells it whether the step ran out of memory): called after a step finished and
+        before the next one, that step's measurement or timing is dropped too.
         """
         self.uninstall()
         self._transfer.synchronize()

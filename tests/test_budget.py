@@ -1054,6 +1054,121 @@ def test_a_step_that_raised_is_not_counted_as_measured() -> None:
     assert planner is engine.planner and measuring == [True, True, False, False]
 
 
+class SpikyMemory(FakeMemory):
+    """Counters whose peak a test can raise for the current step (a transient the model did not predict)."""
+
+    spike = 0
+
+    def peak(self) -> int:
+        return super().peak() + self.spike
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.spike = 0
+
+
+def test_a_planned_step_that_ran_out_of_memory_moves_the_plan_towards_memory() -> None:
+    """Under a hard cap, planned steps reach the cap and the next allocation fails; the loop skips the batch and goes
+    on. Each failure corrects the plan by what the step peaked past its prediction and at least 2% of the budget (the
+    failed allocation is not in the peak), so the next step offloads more: never the same plan again."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    memory = SpikyMemory(base=0, transient=act * 12 // 10)
+    memory.unhooked_resident = act
+    budget = act * 2
+    engine = planned_engine(budget, memory, model, sim)
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    offloaded, corrections = [], []
+    for _ in range(3):
+        offloaded.append(planner.plan.offload_bytes)
+        corrections.append(planner.profile.correction)
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(torch.cuda.OutOfMemoryError), engine:
+            model(x)
+            memory.spike = budget - memory.peak() - 1  # the step reached the cap ...
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")  # ... and the next allocation failed
+    assert offloaded == sorted(set(offloaded)), offloaded
+    assert all(b - a >= 0.02 * budget for a, b in itertools.pairwise(corrections)), corrections
+
+
+def test_a_measuring_step_that_ran_out_of_memory_below_its_watermark_is_measured_again_frugally() -> None:
+    """Under the device's own budget the first measuring step keeps everything up to its watermark; here the loss's
+    transient does not fit beside what it kept, below that watermark. The failed step is measured again, frugally
+    (offloading from its first saved tensor): the steps after it train and a plan follows. (Measured again as it was,
+    it would fail the same way for ever.)"""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+    model = Stack(sim)
+    total = 100 * GiB
+    memory = SpikyMemory(base=80 * GiB, transient=0, total=total)
+    engine = planned_engine("auto", memory, model, sim)
+    failed = []
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        try:
+            with engine:
+                loss = model(x)
+                stats = engine.collect_stats(wait=False)
+                # The loss's logits, 20 GiB on top of what the step keeps: they fit only where activations left.
+                need = 100 * GiB - act // 2 + stats.eligible_bytes - stats.offloaded_bytes
+                memory.spike = min(need, total) - memory.peak()
+                if need > total:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            loss.backward()
+            failed.append(False)
+        except torch.cuda.OutOfMemoryError:
+            failed.append(True)
+    planner = engine.planner
+    assert failed == [True, False, False, False, False]
+    assert planner is not None and planner.plan is not None and not planner.measuring
+
+
+def test_a_replan_drops_the_measuring_step_still_open() -> None:
+    """The callback replans at the batch whose shape changed, before the engine's step begins: the step of the old
+    shape, still open (a step ends as the next begins), must not count as one of the new shape's measuring steps, nor
+    lend the new one its block sizes."""
+
+    def measured(first_batch: int) -> tuple[list[bool], int, int]:
+        sim = SimulatedStreams(lag=0)
+        model = Stack(sim)
+        memory = FakeMemory(base=GiB, transient=MiB)
+        engine = planned_engine(GiB + 64 * MiB, memory, model, sim)
+        run_steps(engine, model, torch.randn(first_batch, WIDTH), 1)
+        engine.replan()
+        measuring = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with engine:
+                measuring.append(engine.planner.measuring)  # type: ignore[union-attr]
+                loss = model(torch.randn(4 * BATCH, WIDTH))
+            loss.backward()
+        profile = engine.planner.profile  # type: ignore[union-attr]
+        assert profile is not None
+        return measuring, profile.block_bytes, profile.eligible
+
+    assert measured(BATCH) == measured(4 * BATCH)
+    assert measured(BATCH)[0] == [True, True, False]
+
+
+def test_a_frugal_measuring_step_that_fails_before_saving_anything_is_called_frugal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under a budget the user gives, a measuring step offloads from its first saved tensor: failing before it saved
+    one (the optimizer's state, say), it is still the most frugal step there is, not "the first measuring step"."""
+    sim = SimulatedStreams(lag=0)
+    model = Stack(sim)
+    engine = planned_engine(2 * GiB, FakeMemory(base=GiB, transient=0), model, sim)
+    with caplog.at_level(logging.WARNING, logger="lightning_offload"), pytest.raises(torch.cuda.OutOfMemoryError):
+        with engine:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "out of memory in a measuring step, the most frugal step there is" in caplog.text
+
+
 def test_replan_measures_again() -> None:
     sim = SimulatedStreams(lag=0)
     model = Stack(sim)
