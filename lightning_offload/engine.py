@@ -59,8 +59,8 @@ class OffloadEngine:
             them. ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).
         streams: the stream backend for ``mode="streamed"``; ``None``: CUDA streams on CUDA, simulated on the CPU.
         memory: the device's allocator counters for the memory-budget planner, or, without one, for emptying the
-            cache once after the first steps (:class:`~lightning_offload.device_memory.SettledCache`); ``None``:
-            CUDA's (without CUDA and without this, neither). Tests pass a fake.
+            cache after the first two optimizer steps (:class:`~lightning_offload.device_memory.SettledCache`);
+            ``None``: CUDA's (without CUDA and without this, neither). Tests pass a fake.
     """
 
     def __init__(
@@ -79,7 +79,7 @@ class OffloadEngine:
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
-        self._settling: SettledCache | None = None  # without a planner: the cache emptied once, after the first steps
+        self._settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
         self._transfer: Transfer = SyncTransfer()
@@ -109,7 +109,7 @@ class OffloadEngine:
             self._resolve_device()
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
         if self._settling is not None and self._settling.step_begins():
-            _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied once")
+            _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied")
         plan_limit = None
         if self.planner is not None:
             plan_limit = plan_step(
