@@ -65,12 +65,14 @@ def _merge_searches(
     earlier: dict[str, Any] | None, result: dict[str, Any], searched: list[dict[str, Any]], run: str
 ) -> dict[str, Any]:
     """One model and cap: the later run's searches win per mode, and the modes only an earlier run searched stay
-    (a run that searched one mode again does not drop the others)."""
+    (a run that searched one mode again does not drop the others). A later search cut short (by its deadline) does
+    not replace an earlier one that finished: it knows less about the same mode."""
     modes = {entry["mode"]: (entry, run) for entry in searched}
     walls = {run: result.get("wall_s") or 0.0}
     if earlier is not None:
         for entry, source in zip(earlier["searches"], earlier["mode_sources"], strict=True):
-            if entry["mode"] not in modes:
+            later = modes.get(entry["mode"])
+            if later is None or (entry.get("complete") and not later[0].get("complete")):
                 modes[entry["mode"]] = (entry, source)
                 walls.setdefault(source, earlier["run_walls"][source])
     sources = [source for _, source in modes.values()]

@@ -130,8 +130,11 @@ def memory_cap(device: torch.device, cap_bytes: float | None) -> Iterator[None]:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
-# A capped row whose process holds more than this share of the cap reserved but unallocated reloads its weights.
+# A capped row whose process holds more than this share of the cap reserved but unallocated reloads its weights; an
+# uncapped row, more than this many bytes (on an H200, earlier rows left small-h512's uncapped rows a 500 MiB segment
+# pinned by cuBLAS's workspace: 0.48 GiB reserved and unallocated, 1.15x its offloading row's peak allocated).
 _FRAGMENTS_SHARE = 0.02
+_UNCAPPED_FRAGMENTS_BYTES = 64 * 2**20
 
 
 def _sync(device: torch.device) -> None:
@@ -432,8 +435,7 @@ class Runner:
         if cap is None and os.environ.get(BASELINE_CAP_VARIABLE) and mode.name != "none" and not mode.default:
             cap = float(os.environ[BASELINE_CAP_VARIABLE]) * GiB
             row["cap_gib"] = cap / GiB
-        if cap is not None:
-            row["fresh_segments"] = self._fresh_segments(cap)
+        row["fresh_segments"] = self._fresh_segments(cap)
         with contextlib.ExitStack() as cleanup:
             cleanup.callback(_free, self.device, host_cache=False)
             cleanup.enter_context(_hooks_restored(self.model))
@@ -496,17 +498,19 @@ class Runner:
                 print(f"{_progress(self.workload.name, capped)} under {budget_row['mode']}'s cap", flush=True)
                 written()
 
-    def _fresh_segments(self, cap: float) -> bool:
-        """Start a capped row as a process that set its cap before loading the model would: where earlier rows left
-        more than :data:`_FRAGMENTS_SHARE` of the cap reserved but unusable (free bytes in segments that also hold
-        weights), the weights and inputs leave the device and come back into fresh segments. On an H200, small-h512's
-        2 GiB budget rows ran out of memory in this shared process with 425 MiB reserved and unallocated, and trained
-        in a process of their own. Before the row's engine exists: it identifies parameters by their storage."""
+    def _fresh_segments(self, cap: float | None) -> bool:
+        """Start a row as a process of its own would (one that set its cap, if any, before loading the model): where
+        earlier rows left more than :data:`_FRAGMENTS_SHARE` of the cap (uncapped: :data:`_UNCAPPED_FRAGMENTS_BYTES`)
+        reserved but unusable (free bytes in segments that also hold weights), the weights and inputs leave the device
+        and come back into fresh segments. Every row gets this, so reserved peaks compare as separate processes' would.
+        On an H200, small-h512's 2 GiB budget rows ran out of memory in this shared process with 425 MiB reserved and
+        unallocated, and trained in a process of their own. Before the row's engine exists: it identifies parameters by
+        their storage."""
         if not self.cuda:
             return False
         _free(self.device)
         fragments = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if fragments <= _FRAGMENTS_SHARE * cap:
+        if fragments <= (_FRAGMENTS_SHARE * cap if cap is not None else _UNCAPPED_FRAGMENTS_BYTES):
             return False
         ids = self.ids.cpu()
         self.model.to("cpu")

@@ -114,6 +114,27 @@ def test_a_capacity_run_of_one_mode_keeps_the_other_modes_of_an_earlier_run() ->
     assert result["source_run"] == "ac from cap-b, ours-budget from cap-a"
 
 
+def test_a_search_cut_short_does_not_replace_one_that_finished() -> None:
+    """A later run whose AC search its deadline cut short keeps the earlier, finished AC search; its own finished
+    search of ours replaces the earlier one."""
+    a = _capacity_run("cap-a", {8: 92160})
+    b = _capacity_run("cap-b", {8: 98304})
+    for search in a["capacity"][0]["searches"]:
+        search["complete"] = True
+        if search["mode"] == "ac":
+            search.update(longest=49152, upper=49152)
+    for search in b["capacity"][0]["searches"]:
+        search["complete"] = search["mode"] != "ac"
+        if search["mode"] == "ac":
+            search.update(longest=45056, upper=None, first_fail=None, status="incomplete: deadline")
+    merged = merge([a, b], "dev")
+    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 8]
+    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    assert longest == {"ac": 49152, "ours-budget": 98304}
+    assert result["source_run"] == "ac from cap-a, ours-budget from cap-b"
+    assert set(result["run_walls"]) == {"cap-a", "cap-b"}  # both runs' searches are kept, so both workers count
+
+
 def _interleaved(workload: str, none_ms: float, default_ms: float) -> dict:
     arms = {"none": {"median_ms": none_ms}, "default": {"median_ms": default_ms}, "ac": {"median_ms": 3 * none_ms}}
     return {"workload": {"name": workload}, "rounds": 200, "arms": arms}
