@@ -9,7 +9,7 @@ import itertools
 import logging
 import sys
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -145,6 +145,55 @@ def planned_engine(
     return engine
 
 
+MemoryT = TypeVar("MemoryT", bound=FakeMemory)
+
+
+def planned_stack(
+    budget: int | str,
+    *,
+    base: int,
+    transient: int,
+    unhooked_resident: int = 0,
+    total: int = 100 * GiB,
+    # mypy cannot check a TypeVar's default (python/mypy#3737): callers that omit it get FakeMemory.
+    memory_type: type[MemoryT] = FakeMemory,  # type: ignore[assignment]
+    lag: int | None = 0,
+    bytes_per_ms: float = float(MiB),
+    copies_take_time: bool = True,
+    backward_ms: float = 0.0,
+    host_memory_limit: int | None = None,
+) -> tuple[SimulatedStreams, Stack, MemoryT, OffloadEngine]:
+    """Build the setup most planner tests share: a simulated link, a ``Stack`` on it, fake allocator counters and an
+    engine planning under ``budget`` (:func:`planned_engine`, the cheapest plan, no trials).
+
+    What the tests vary is a parameter; the rest is what every one of them ran with, so a test reads as its own
+    numbers, its steps and its assertions.
+
+    Args:
+        budget: the engine's ``memory_budget`` (bytes, or ``"auto"``: the device's own budget from ``total``).
+        base: bytes of weights and optimizer state the counters report before any activation.
+        transient: bytes of the loss and workspace on top at the step's peak.
+        unhooked_resident: what a step without hooks keeps on the device (:attr:`FakeMemory.unhooked_resident`).
+        total: the device's memory.
+        memory_type: the counters' class: :class:`FakeMemory` or a subclass that adds to its peak or residents.
+        lag: the simulated copies' lag (``None``: a copy runs only when waited for).
+        bytes_per_ms: the simulated link's rate.
+        copies_take_time: whether waiting for a copy advances the simulated clock.
+        backward_ms: each block's simulated backward compute.
+        host_memory_limit: the engine's cap on the host pool (``None``: no cap).
+
+    Returns:
+        The simulated streams, the model, the counters and the engine, built in that order: ``Stack`` seeds torch's
+        generator, so an input a test draws after this call comes from that seed.
+    """
+    sim = SimulatedStreams(lag=lag, bytes_per_ms=bytes_per_ms, copies_take_time=copies_take_time)
+    model = Stack(sim, backward_ms=backward_ms)
+    memory = memory_type(base=base, transient=transient, total=total)
+    memory.unhooked_resident = unhooked_resident
+    engine = planned_engine(budget, memory, model, sim, host_memory_limit=host_memory_limit)
+    return sim, model, memory, engine
+
+
 def reference_grads(x: torch.Tensor) -> dict[str, torch.Tensor]:
     model = Stack()
     model(x).backward()
@@ -186,10 +235,7 @@ def activation_bytes(x: torch.Tensor, frugal: bool = False, checkpointed: list[s
 
 def test_a_model_that_fits_runs_without_hooks_after_the_measuring_steps() -> None:
     """Two measuring steps (the optimizer allocates its state in the first), then nothing installed at all."""
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=MiB)
-    engine = planned_engine(3 * GiB, memory, model, sim)
+    _, model, _, engine = planned_stack(3 * GiB, base=GiB, transient=MiB)
     x = torch.randn(BATCH, WIDTH)
     steps = run_steps(engine, model, x, 4)
     expected = reference_grads(x)
@@ -207,12 +253,11 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
     peaks stay within the budget."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))  # a fast link: every copy hides
-    model = Stack(sim)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)  # the loss's transient comes on top of forward's saves
-    memory.unhooked_resident = act
     budget = act * 2  # forward alone stays under the watermark (half the budget); with the transient, some must leave
-    engine = planned_engine(budget, memory, model, sim)
+    # The loss's transient comes on top of forward's saves; a fast link: every copy hides.
+    _, model, memory, engine = planned_stack(
+        budget, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
     steps = run_steps(engine, model, x, 4)
     plan = engine.planner.plan  # type: ignore[union-attr]
     assert plan is not None and plan.fits and plan.checkpoint_blocks == 0
@@ -237,13 +282,16 @@ def test_plans_offload_no_more_than_the_host_pool_can_hold() -> None:
     act = activation_bytes(x)
     plans = {}
     for limit in (None, "half"):
-        sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-        model = Stack(sim)
-        memory = FakeMemory(base=0, transient=act * 12 // 10)
-        memory.unhooked_resident = act
         budget = act * 2
         host = None if limit is None else plans[None].offload_bytes // 2
-        engine = planned_engine(budget, memory, model, sim, host_memory_limit=host)
+        _, model, memory, engine = planned_stack(
+            budget,
+            base=0,
+            transient=act * 12 // 10,
+            unhooked_resident=act,
+            bytes_per_ms=float(64 * MiB),
+            host_memory_limit=host,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the frugal measuring steps fill the small pool
             steps = run_steps(engine, model, x, 5)
@@ -265,11 +313,9 @@ def test_backward_fetches_nothing_ahead_until_it_has_left_the_head() -> None:
     while backward is in the head, and fetch ahead once it has left."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=act * 12 // 10)
-    memory.unhooked_resident = act
-    engine = planned_engine(GiB + act * 2, memory, model, sim)
+    _, model, _, engine = planned_stack(
+        GiB + act * 2, base=GiB, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
     run_steps(engine, model, x, 3)
     planner, inbound = engine.planner, engine._inbound
     assert planner is not None and planner.profile is not None and inbound is not None
@@ -307,10 +353,8 @@ def test_what_backward_starts_from_leaves_out_copies_still_on_their_way_out() ->
             return super()._resident() + (outbound.inflight_bytes if outbound is not None else 0)
 
     x = torch.randn(BATCH, WIDTH)
-    sim = SimulatedStreams(lag=None)  # copies run only when waited for
-    model = Stack(sim)
-    memory = InFlightMemory(base=GiB, transient=0)
-    engine = planned_engine(3 * GiB, memory, model, sim)
+    # lag=None: copies run only when waited for
+    _, model, _, engine = planned_stack(3 * GiB, base=GiB, transient=0, memory_type=InFlightMemory, lag=None)
     run_steps(engine, model, x, 1)
     planner = engine.planner
     assert planner is not None
@@ -335,11 +379,10 @@ def test_planned_steps_let_go_of_every_copy_in_flight_as_forward_reaches_the_hea
     transient comes on top. Measuring steps do not (they know no head yet); gradients are unchanged."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=None, bytes_per_ms=float(64 * MiB))  # copies run only when waited for
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=act * 12 // 10)
-    memory.unhooked_resident = act
-    engine = planned_engine(GiB + act * 2, memory, model, sim)
+    # lag=None: copies run only when waited for
+    _, model, _, engine = planned_stack(
+        GiB + act * 2, base=GiB, transient=act * 12 // 10, unhooked_resident=act, lag=None, bytes_per_ms=float(64 * MiB)
+    )
     steps = run_steps(engine, model, x, 1)  # the first measuring step makes the queues
     outbound = engine._outbound
     assert outbound is not None
@@ -399,11 +442,10 @@ def test_checkpoints_blocks_when_the_link_is_too_slow_and_restores_the_model() -
     gradients stay bit-equal. Removing the planner leaves no wrapper behind."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(16 * KiB), copies_take_time=False)
-    model = Stack(sim)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)
     budget = act * 2
-    engine = planned_engine(budget, memory, model, sim)
+    _, model, _, engine = planned_stack(
+        budget, base=0, transient=act * 12 // 10, bytes_per_ms=float(16 * KiB), copies_take_time=False
+    )
     steps = run_steps(engine, model, x, 4)
     plan = engine.planner.plan  # type: ignore[union-attr]
     assert plan is not None and plan.fits
@@ -426,11 +468,15 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
     (2 ms each) rather than offloading (each byte costs far more than compute can hide)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=None, bytes_per_ms=float(16 * KiB))  # copies run when waited for, and take time
-    model = Stack(sim, backward_ms=2 * BLOCK_MS)
     budget = int(act / 0.7)  # the plan keeps about half the activations on the device
-    memory = FakeMemory(base=int(0.6 * budget), transient=0)  # above the watermark (half the budget) from the start
-    engine = planned_engine(budget, memory, model, sim)
+    sim, model, _, engine = planned_stack(
+        budget,
+        base=int(0.6 * budget),  # above the watermark (half the budget) from the start
+        transient=0,
+        lag=None,  # copies run when waited for, and take time
+        bytes_per_ms=float(16 * KiB),
+        backward_ms=2 * BLOCK_MS,
+    )
     clock = []
     for frugal in (activation_bytes(x, frugal=True), activation_bytes(x, checkpointed=EVERY_BLOCK)):
         start = sim.clock_ms
@@ -458,11 +504,15 @@ def test_planned_steps_that_wait_for_copies_longer_than_predicted_shift_the_plan
     waits and plans again: less offloading, more checkpointing, the same gradients."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=None, bytes_per_ms=float(512 * KiB))  # the link the measuring steps see
-    model = Stack(sim, backward_ms=2 * BLOCK_MS)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)
-    memory.unhooked_resident = act
-    engine = planned_engine(act * 2, memory, model, sim)
+    sim, model, _, engine = planned_stack(
+        act * 2,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        lag=None,
+        bytes_per_ms=float(512 * KiB),  # the link the measuring steps see
+        backward_ms=2 * BLOCK_MS,
+    )
     run_steps(engine, model, x, 3)
     first = engine.planner.plan  # type: ignore[union-attr]
     assert first is not None and first.offload_bytes > 0 and first.checkpoint_blocks == 0
@@ -486,11 +536,15 @@ def test_planned_steps_whose_forward_computes_slower_with_copies_learn_their_cos
     planner a cost per GiB offloaded, and it plans again towards checkpointing; the gradients stay the same."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=None, bytes_per_ms=float(512 * KiB))
-    model = Stack(sim, backward_ms=2 * BLOCK_MS)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)
-    memory.unhooked_resident = act
-    engine = planned_engine(act * 2, memory, model, sim)
+    _, model, _, engine = planned_stack(
+        act * 2,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        lag=None,
+        bytes_per_ms=float(512 * KiB),
+        backward_ms=2 * BLOCK_MS,
+    )
     run_steps(engine, model, x, 3)
     planner = engine.planner
     assert planner is not None and planner.plan is not None and planner.profile is not None
@@ -518,11 +572,9 @@ def test_planned_steps_whose_allocator_reserves_past_the_budget_move_the_plan_to
     nothing new, moves nothing."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)
-    memory.unhooked_resident = act
-    engine = planned_engine(act * 2, memory, model, sim)
+    _, model, memory, engine = planned_stack(
+        act * 2, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
     run_steps(engine, model, x, 3)
     planner = engine.planner
     assert planner is not None and planner.plan is not None
@@ -555,12 +607,11 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
     could then pass it)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = FakeMemory(base=0, transient=act * 12 // 10)  # the loss's transient comes on top of forward's saves
-    memory.unhooked_resident = act
     budget = act * 2  # forward alone stays under the watermark (half the budget); with the transient, some must leave
-    engine = planned_engine(budget, memory, model, sim)
+    # The loss's transient comes on top of forward's saves.
+    _, model, memory, engine = planned_stack(
+        budget, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
     run_steps(engine, model, x, 3)
     first = engine.planner.plan  # type: ignore[union-attr]
     memory.transient -= act // 10  # lighter
@@ -575,12 +626,13 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
     assert memory.peaks[-1] <= budget
 
 
-def weights_on_the_device(x: torch.Tensor) -> tuple[int, Stack, FakeMemory]:
-    """Activation bytes of ``x``, a ``Stack`` on a fast simulated link, and counters with 4x those bytes of weights
-    (backward leaves the head above zero, so plans count the head's backward apart) and a loss transient of 1.2x;
-    a step without hooks keeps what the model saves with the blocks checkpointed then."""
+def weights_on_the_device(x: torch.Tensor, bytes_per_ms: float = float(64 * MiB)) -> tuple[int, Stack, FakeMemory]:
+    """Activation bytes of ``x``, a ``Stack`` on a simulated link (fast unless ``bytes_per_ms`` says otherwise), and
+    counters with 4x those bytes of weights (backward leaves the head above zero, so plans count the head's backward
+    apart) and a loss transient of 1.2x; a step without hooks keeps what the model saves with the blocks checkpointed
+    then."""
     act = activation_bytes(x)
-    model = Stack(SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB)))
+    model = Stack(SimulatedStreams(lag=0, bytes_per_ms=bytes_per_ms))
     memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
     memory.unhooked_model, memory.unhooked_input = model, x
     return act, model, memory
@@ -963,10 +1015,7 @@ def test_plans_that_offload_nothing_aim_higher_than_the_pressed_gap_allows_where
     within the budget and with the plain gradients. Plans that offload keep the gap-based aim, and so does every plan
     with fixed segments, or where the allocator cannot say which it maps."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    model = Stack(SimulatedStreams(lag=0, bytes_per_ms=float(4 * KiB)))  # a slow link: offloading costs more
-    memory = FakeMemory(base=4 * act, transient=act * 12 // 10)
-    memory.unhooked_model, memory.unhooked_input = model, x
+    act, model, memory = weights_on_the_device(x, bytes_per_ms=float(4 * KiB))  # a slow link: offloading costs more
     budget = int(6 * act * 0.92 / 0.915)  # every block checkpointed, nothing offloaded, predicts 91.5% of it
     flushes = itertools.count()
     memory.reserved_peak = lambda: memory.peak() + int(0.06 * budget)  # type: ignore[attr-defined]
@@ -996,10 +1045,7 @@ def test_plans_that_offload_nothing_aim_higher_than_the_pressed_gap_allows_where
 
 
 def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCaptureFixture) -> None:
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=MiB)
-    engine = planned_engine(GiB // 2, memory, model, sim)  # the weights alone exceed it
+    _, model, _, engine = planned_stack(GiB // 2, base=GiB, transient=MiB)  # the weights alone exceed it
     with caplog.at_level(logging.INFO, logger="lightning_offload"):
         run_steps(engine, model, torch.randn(BATCH, WIDTH), 3)
     text = caplog.text
@@ -1011,10 +1057,7 @@ def test_an_impossible_budget_is_reported_with_the_numbers(caplog: pytest.LogCap
 def test_running_out_of_memory_under_a_budget_is_explained_in_numbers(caplog: pytest.LogCaptureFixture) -> None:
     """An out-of-memory error inside the engine's context (forward) under a budget: the engine drops what the step
     held and says which step failed, what it held as it began and its peak; the error itself propagates."""
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=0)
-    engine = planned_engine(2 * GiB, memory, model, sim)
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=0)
     with caplog.at_level(logging.WARNING, logger="lightning_offload"), pytest.raises(torch.cuda.OutOfMemoryError):
         with engine:
             model(torch.randn(BATCH, WIDTH))
@@ -1032,10 +1075,7 @@ def test_a_step_that_raised_is_not_counted_as_measured() -> None:
     input, as the capacity search asks for after each probe) gets its two measuring steps in full. Counted as ended, the
     failed step took one of them: on an H200 Llama-1B's plan at 10240 tokens under 24 GiB came from a single measuring
     step, before the new optimizer had its state (2.37 of 6.97 GiB), and ran out of memory."""
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=MiB)
-    engine = planned_engine(GiB + 64 * MiB, memory, model, sim)
+    _, model, _, engine = planned_stack(GiB + 64 * MiB, base=GiB, transient=MiB)
     x = torch.randn(BATCH, WIDTH)
     run_steps(engine, model, x, 1)
     planner = engine.planner
@@ -1073,12 +1113,15 @@ def test_a_planned_step_that_ran_out_of_memory_moves_the_plan_towards_memory() -
     failed allocation is not in the peak), so the next step offloads more: never the same plan again."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
-    memory = SpikyMemory(base=0, transient=act * 12 // 10)
-    memory.unhooked_resident = act
     budget = act * 2
-    engine = planned_engine(budget, memory, model, sim)
+    _, model, memory, engine = planned_stack(
+        budget,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        memory_type=SpikyMemory,
+        bytes_per_ms=float(64 * MiB),
+    )
     run_steps(engine, model, x, 3)
     planner = engine.planner
     assert planner is not None and planner.plan is not None and planner.profile is not None
@@ -1102,11 +1145,10 @@ def test_a_measuring_step_that_ran_out_of_memory_below_its_watermark_is_measured
     it would fail the same way for ever.)"""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
-    model = Stack(sim)
     total = 100 * GiB
-    memory = SpikyMemory(base=80 * GiB, transient=0, total=total)
-    engine = planned_engine("auto", memory, model, sim)
+    _, model, memory, engine = planned_stack(
+        "auto", base=80 * GiB, transient=0, total=total, memory_type=SpikyMemory, bytes_per_ms=float(64 * MiB)
+    )
     failed = []
     for _ in range(5):
         model.zero_grad(set_to_none=True)
@@ -1134,10 +1176,7 @@ def test_a_replan_drops_the_measuring_step_still_open() -> None:
     lend the new one its block sizes."""
 
     def measured(first_batch: int) -> tuple[list[bool], int, int]:
-        sim = SimulatedStreams(lag=0)
-        model = Stack(sim)
-        memory = FakeMemory(base=GiB, transient=MiB)
-        engine = planned_engine(GiB + 64 * MiB, memory, model, sim)
+        _, model, _, engine = planned_stack(GiB + 64 * MiB, base=GiB, transient=MiB)
         run_steps(engine, model, torch.randn(first_batch, WIDTH), 1)
         engine.replan()
         measuring = []
@@ -1160,9 +1199,7 @@ def test_a_frugal_measuring_step_that_fails_before_saving_anything_is_called_fru
 ) -> None:
     """Under a budget the user gives, a measuring step offloads from its first saved tensor: failing before it saved
     one (the optimizer's state, say), it is still the most frugal step there is, not "the first measuring step"."""
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    engine = planned_engine(2 * GiB, FakeMemory(base=GiB, transient=0), model, sim)
+    _, _, _, engine = planned_stack(2 * GiB, base=GiB, transient=0)
     with caplog.at_level(logging.WARNING, logger="lightning_offload"), pytest.raises(torch.cuda.OutOfMemoryError):
         with engine:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -1170,10 +1207,7 @@ def test_a_frugal_measuring_step_that_fails_before_saving_anything_is_called_fru
 
 
 def test_replan_measures_again() -> None:
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=MiB)
-    engine = planned_engine(2 * GiB, memory, model, sim)
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
     x = torch.randn(BATCH, WIDTH)
     assert [s["hooked"] for s in run_steps(engine, model, x, 3)] == [True, True, False]
     engine.replan()  # the optimizer's state exists by now: one measuring step is enough
@@ -1194,13 +1228,11 @@ def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_water
     total = 100 * GiB
     watermark = default_budget(total) - int(default_budget(total) * 0.10)
     for base, offloads in ((watermark - act // 2, True), (GiB, False)):
-        sim = SimulatedStreams(lag=0)
-        model = Stack(sim)
-        memory = FakeMemory(base=base, transient=0, total=total)
+        _, model, memory, engine = planned_stack("auto", base=base, transient=0, total=total)
+        # Every read of the counter is recorded (the engine reads none before its first step begins).
         seen: list[int] = []
         allocated = memory.allocated
         memory.allocated = lambda seen=seen, allocated=allocated: seen.append(allocated()) or seen[-1]  # type: ignore[method-assign]
-        engine = planned_engine("auto", memory, model, sim)
         first = run_steps(engine, model, x, 1)[0]
         if offloads:
             assert first["offloaded"] == act
@@ -1223,10 +1255,7 @@ def test_under_a_users_budget_the_measuring_steps_checkpoint_every_block_and_off
     act, frugal = activation_bytes(x), activation_bytes(x, frugal=True)
     least = activation_bytes(x, checkpointed=EVERY_BLOCK)
     assert least < frugal < act
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    memory = FakeMemory(base=GiB, transient=0)
-    engine = planned_engine(3 * GiB, memory, model, sim)
+    _, model, _, engine = planned_stack(3 * GiB, base=GiB, transient=0)
     seen = []  # per step: blocks it ran checkpointed, bytes it offloaded
     for _ in range(3):
         offloaded = run_steps(engine, model, x, 1)[0]["offloaded"]
@@ -1354,9 +1383,7 @@ def test_the_allocator_is_left_alone_until_copies_leave(monkeypatch: pytest.Monk
     calls: list[str] = []
     monkeypatch.setattr(engine_module, "use_expandable_segments", lambda device: calls.append(device.type) or True)
     x = torch.randn(BATCH, WIDTH)
-    sim = SimulatedStreams(lag=0)
-    model = Stack(sim)
-    fits = planned_engine("auto", FakeMemory(base=GiB, transient=MiB), model, sim)
+    sim, model, _, fits = planned_stack("auto", base=GiB, transient=MiB)
     run_steps(fits, model, x, 4)  # measured below the watermark, then no hooks at all
     assert calls == []
     offloads = planned_engine(3 * GiB, FakeMemory(base=GiB, transient=MiB), model, sim)
@@ -1526,10 +1553,7 @@ def test_a_frugal_measuring_step_expected_to_pass_the_budget_is_announced_with_t
     and the planner says so before it runs, naming what dominates. Without the optimizer's state nothing is said."""
     x = torch.randn(BATCH, WIDTH)
     for state, warned in ((GiB // 4, True), (0, False)):
-        sim = SimulatedStreams(lag=0)
-        model = Stack(sim)
-        memory = FakeMemory(base=GiB, transient=GiB // 2)
-        engine = planned_engine(GiB + 600 * MiB, memory, model, sim)
+        _, model, memory, engine = planned_stack(GiB + 600 * MiB, base=GiB, transient=GiB // 2)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="lightning_offload"):
             run_steps(engine, model, x, 1)
