@@ -261,7 +261,13 @@ class ActivationOffloadCallback(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._engine is not None:
-            self._engine.failed(exception)  # before the model is left: its message names the blocks checkpointed
+            if self._batch_started:
+                self._engine.failed(exception)  # before the model is left: its message names the blocks checkpointed
+            else:
+                # Raised outside a training batch (validation, saving a checkpoint): not the planned step's doing, so
+                # nothing explains it in that step's numbers; what the engine holds is dropped all the same.
+                self._engine.reset()
+        self._batch_started = False
         self._leave_model(pl_module)  # Lightning calls no teardown hook after an exception
         if self._picture is not None:
             self._picture.close()

@@ -799,6 +799,61 @@ def test_plan_keys_are_logged_only_for_batches_that_ran_the_plan(
     assert {row["offload/memory_budget_gib"] for row in rows} == {"8.0"}
 
 
+class OutOfMemoryLit(LitNet):
+    """Raises CUDA's out-of-memory error (on the CPU too: it is an exception class) in ``training_step`` at batch 2,
+    the first planned one, or in ``validation_step``, which runs after batch 2 (``val_check_interval=3``)."""
+
+    def __init__(self, offload: ActivationOffloadCallback, where: str) -> None:
+        super().__init__(offload=offload)
+        self.where = where
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        if self.where == "training_step" and batch_idx == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (raised on purpose)")
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.where == "validation_step":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (raised on purpose)")
+
+
+@pytest.mark.parametrize("where", ["training_step", "validation_step"])
+def test_out_of_memory_is_explained_under_a_budget_only_when_a_training_batch_raised_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """The planner explains an out-of-memory error in terms of the training step it planned; one raised outside a
+    training batch (validation here) used none of that plan, and an explanation would blame the wrong step."""
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+        return planner_for(options, device, transfer, model, ConstantMemory())
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+    callback = offload_callback(memory_budget="8GiB")
+    module = OutOfMemoryLit(callback, where)
+    with caplog.at_level("WARNING", logger="lightning_offload"), pytest.raises(torch.cuda.OutOfMemoryError):
+        fit(
+            tmp_path,
+            module,
+            batches(4),
+            [callback],
+            val_data=batches(1),
+            max_steps=4,
+            val_check_interval=3,
+            num_sanity_val_steps=0,
+        )
+    explained = [r.getMessage() for r in caplog.records if "memory_budget=8.00 GiB: out of memory in" in r.getMessage()]
+    if where == "training_step":
+        assert len(explained) == 1 and "a planned step" in explained[0]
+    else:
+        assert explained == []
+    assert top_hooks() is None
+    engine = callback.engine
+    assert engine is not None and not engine.installed
+    assert engine.collect_stats(wait=False).host_bytes_held == 0
+
+
 def test_logged_metrics_respect_log_every_n_steps(tmp_path: Path) -> None:
     callback = offload_callback(measure_copies=True)
     fit(tmp_path, LitNet(offload=callback), batches(4), [callback], max_steps=4, log_every_n_steps=2)
