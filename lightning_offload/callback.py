@@ -196,6 +196,7 @@ class ActivationOffloadCallback(Callback):
             engine.replan()  # a new input shape: the plan of the old one may not fit, or may waste time
         self._shapes = shapes
         if not engine.installed and not self._plain_batch:
+            self._reporter.before_install(trainer, engine)
             engine.install()
             planner = engine.planner
             if planner is not None and planner.on_plan is None:
@@ -234,6 +235,7 @@ class ActivationOffloadCallback(Callback):
         if not self._batch_started:
             # Lightning skipped on_train_batch_start (the dataloader yielded None): nothing was offloaded.
             self._last_stats = OffloadStats()
+            self._reporter.skipped_batch(trainer, pl_module, engine)
             return
         self._batch_started = False
         if self._picture is not None:
@@ -247,6 +249,12 @@ class ActivationOffloadCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None:
             self._engine.uninstall()
+            if self._batch_started and not self._plain_batch:
+                # The module's on_train_batch_start returned -1 after this batch's step began: it ran nothing. Dropped,
+                # so the memory-budget planner neither measures it (a plan from a step without activations) nor times
+                # it (its time would be the epoch's end).
+                self._engine.reset()
+        self._batch_started = self._plain_batch = False
         if self._picture is not None:
             self._picture.discard_batch()  # a recorded batch that never ended leaves no hooks behind
         if self._engine is not None and self._active:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from lightning_offload.device_memory import read_counters
+from lightning_offload.budget import BudgetPlanner
+from lightning_offload.device_memory import AllocatorCounters, read_counters
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import GiB, OffloadOptions
+from lightning_offload.schedule import Plan
 from lightning_offload.stats import OffloadStats
 
 # Every figure the callback logs, in the words its docstring (and ``--help``) shows.
 METRIC_DOCS = """\
-    Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies):
+    Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies; a batch the dataloader yielded as
+    ``None`` logs nothing offloaded and NaN for the peaks and the plan):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
         micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
         ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
@@ -86,6 +89,13 @@ class StepReporter:
             self._flushes_at_start = read_counters(self.cuda).alloc_retries
         self._new_step = False
 
+    def before_install(self, trainer: pl.Trainer, engine: OffloadEngine) -> None:
+        """Before the engine starts this batch's step: where the logger writes this batch, wait for the copy timings
+        the batch before left running (a batch not logged does not wait). Read later, they would count in this
+        batch's figures (the engine adds what it reads to the step open then) instead of that batch's."""
+        if self.cuda is not None and _logs(trainer):
+            engine.collect_stats(wait=True)
+
     def optimizer_stepped(self) -> None:
         self._stepped = True
 
@@ -96,25 +106,65 @@ class StepReporter:
         stepped = self._stepped or not pl_module.automatic_optimization
         self._new_step, self._stepped = stepped, False
         # Timing events are waited for only when the logger writes: anything else would sync every step.
-        will_log = bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+        will_log = _logs(trainer)
         stats = engine.collect_stats(wait=will_log)
         if plain:
             # The memory picture's comparison batch offloaded nothing: log that (and its real peak), and keep it out
             # of the epoch summaries, which describe offloading.
-            stats = OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
+            stats = _held_only(stats)
         cuda = self.cuda
         # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one read of them all.
         counters = read_counters(cuda) if stepped and cuda else None
         peaks = (counters.peak, counters.reserved_peak) if counters is not None else None
         if self.epoch_metrics is not None and not plain:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))
-        if not will_log:
-            return stats
+        if will_log:
+            planner = engine.planner
+            # A measuring batch ran no plan (the one held may be an earlier input shape's).
+            plan = planner.plan if planner is not None and not planner.measuring else None
+            self._log(trainer, pl_module, stats, counters, planner, plan, ran=True)
+        return stats
+
+    def skipped_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
+        """Log a batch that ran no step (the dataloader yielded None): nothing offloaded, no peak, no plan.
+
+        Lightning writes a row for it all the same, with the last value each key was given: logging nothing would log
+        the batch before's figures under this batch's step. The step the next batch belongs to is left as it was.
+        """
+        if _logs(trainer):
+            stats = _held_only(engine.collect_stats(wait=False))
+            self._log(trainer, pl_module, stats, None, engine.planner, None, ran=False)
+
+    def _log(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        stats: OffloadStats,
+        counters: AllocatorCounters | None,
+        planner: BudgetPlanner | None,
+        plan: Plan | None,
+        ran: bool,
+    ) -> None:
+        """Log one batch's figures.
+
+        Args:
+            stats: its counters.
+            counters: the allocator's counters as it closed an optimizer step (``None``: it closed none).
+            planner: the memory-budget planner, if any.
+            plan: the plan it ran (``None``: it ran none, its ``plan_*`` keys are NaN).
+            ran: it ran at all; one that did not logs NaN for the peaks (it has none, and Lightning would log the last
+                step's again).
+        """
         metrics: dict[str, float] = {}
+        cuda = self.cuda
+        nan = float("nan")
         if counters is not None:
             metrics["offload/peak_allocated_gib"] = counters.peak / GiB
             metrics["offload/peak_reserved_gib"] = counters.reserved_peak / GiB
             metrics["offload/alloc_flushes"] = float(counters.alloc_retries - self._flushes_at_start)
+        elif cuda is not None and not ran:
+            for key in ("offload/peak_allocated_gib", "offload/peak_reserved_gib", "offload/alloc_flushes"):
+                metrics[key] = nan
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and cuda is not None:
@@ -122,13 +172,10 @@ class StepReporter:
         if self.options.measure_copies and cuda is not None:
             metrics["offload/d2h_gbps"] = stats.d2h_gbps()
             metrics["offload/h2d_gbps"] = stats.h2d_gbps()
-        planner = engine.planner
         if planner is not None:
             metrics["offload/memory_budget_gib"] = planner.budget / GiB
-            # A measuring batch ran no plan (the one held may be an earlier input shape's). Its keys are logged as NaN
-            # rather than left out: Lightning would log a key's last value again at a step that did not log it.
-            plan = planner.plan if not planner.measuring else None
-            nan = float("nan")
+            # A batch that ran no plan logs its keys as NaN rather than leaving them out: Lightning would log a key's
+            # last value again at a step that did not log it.
             metrics["offload/plan_offload_gib"] = plan.offload_bytes / GiB if plan is not None else nan
             metrics["offload/plan_checkpoint_blocks"] = float(plan.checkpoint_blocks) if plan is not None else nan
             metrics["offload/plan_split"] = float(plan.split) if plan is not None else nan
@@ -142,9 +189,12 @@ class StepReporter:
         for key, value in metrics.items():
             prog_bar = self.progress_bar and key == shown
             pl_module.log(key, value, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
-        return stats
 
     def end_epoch(self, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
+        # The next epoch's first batch opens an optimizer step: Lightning steps at an epoch's last batch, and zeroes the
+        # gradients of a window cut short by ``on_train_batch_start`` returning -1 as the next epoch begins. Without
+        # this, that step's peaks and flushes would count from the cut batch's start, the epoch's end included.
+        self._new_step, self._stepped = True, False
         summaries = self.epoch_metrics
         if summaries is None:
             return
@@ -159,6 +209,16 @@ class StepReporter:
         """Forget the epoch so far (a step raised)."""
         if self.epoch_metrics is not None:
             self.epoch_metrics.reset()
+
+
+def _logs(trainer: pl.Trainer) -> bool:
+    """Whether the logger writes this training batch's figures (``log_every_n_steps``)."""
+    return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+
+
+def _held_only(stats: OffloadStats) -> OffloadStats:
+    """The figures of a batch that offloaded nothing: only what the host pool holds."""
+    return OffloadStats(host_bytes_held=stats.host_bytes_held, host_pinned_bytes=stats.host_pinned_bytes)
 
 
 def peak_device(device: torch.device) -> torch.device | None:

@@ -872,6 +872,117 @@ def test_logged_metrics_respect_log_every_n_steps(tmp_path: Path) -> None:
     assert float(logged[-1]["offload/offloaded_gib"]) == pytest.approx(callback.stats.offloaded_bytes / 2**30)
 
 
+def fake_cuda_peaks(monkeypatch: pytest.MonkeyPatch, peaks: FakeCudaPeaks) -> None:
+    """Make the reporter read ``peaks`` as the CUDA allocator's counters (and so log the CUDA-only figures)."""
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
+    monkeypatch.setattr(reporting, "read_counters", peaks.counters)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
+
+
+def plan_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the memory-budget planner on the CPU, on ``ConstantMemory``."""
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+        return planner_for(options, device, transfer, model, ConstantMemory())
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+
+
+def test_a_batch_the_dataloader_skipped_logs_nothing_offloaded_no_peak_and_no_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A None batch runs no step, yet Lightning writes a row under its step, with the last value each key was given:
+    the batch before's offloaded bytes, peak, cache flushes and plan must not be logged as this batch's."""
+    peaks = FakeCudaPeaks(left_over=0, step_peak=2 << 30, flushes=[1, 1, 1, 1])
+    fake_cuda_peaks(monkeypatch, peaks)
+    plan_on_cpu(monkeypatch)
+
+    class PeakNet(LitNet):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+            peaks.step()
+            return super().training_step(batch, batch_idx)
+
+    callback = offload_callback(memory_budget="8GiB")
+    b = batches(4)
+    # Batches 0 and 1 measure (the first offloads), 2 and 3 run the plan; a None follows the first and the third.
+    data = [b[0], None, b[1], b[2], None, b[3]]
+    fit(tmp_path, PeakNet(offload=callback), data, [callback], max_steps=-1, max_epochs=1)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert float(rows[0]["offload/offloaded_gib"]) > 0
+    assert [float(row["offload/offloaded_gib"]) for row in rows][1::3] == [0.0, 0.0]
+    assert [row["offload/peak_allocated_gib"] for row in rows] == ["2.0", "nan", "2.0", "2.0", "nan", "2.0"]
+    assert [row["offload/peak_reserved_gib"] for row in rows] == ["2.0", "nan", "2.0", "2.0", "nan", "2.0"]
+    assert [row["offload/alloc_flushes"] for row in rows] == ["1.0", "nan", "1.0", "1.0", "nan", "1.0"]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, False, True]
+    assert {row["offload/memory_budget_gib"] for row in rows} == {"8.0"}
+
+
+def test_first_step_after_on_train_batch_start_minus_one_logs_its_own_peak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch that returned -1 opened a step that never ran; what the epoch's end did after it (here: a peak of 9
+    GiB and 5 cache flushes) belongs to no step, and the next epoch's first step must measure from its own start."""
+    peaks = FakeCudaPeaks(left_over=0, step_peak=2 << 30, flushes=[1, 1])
+    fake_cuda_peaks(monkeypatch, peaks)
+
+    class PeakNet(SkipRestOfEpochLit):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+            peaks.step()
+            return super().training_step(batch, batch_idx)
+
+        def on_train_epoch_end(self) -> None:
+            super().on_train_epoch_end()
+            peaks.peak, peaks.retries = 9 << 30, peaks.retries + 5  # the epoch's own work on the device
+
+    callback = offload_callback()
+    # Epoch 0: batch 0 steps, batch 1 returns -1; epoch 1: batch 0 steps and max_steps=2 ends the fit.
+    fit(tmp_path, PeakNet(callback), batches(3), [callback], max_steps=2, max_epochs=5)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/peak_allocated_gib")]
+    assert [row["offload/peak_allocated_gib"] for row in rows] == ["2.0", "2.0"]
+    assert [row["offload/alloc_flushes"] for row in rows] == ["1.0", "1.0"]
+
+
+def test_a_step_cut_short_by_on_train_batch_start_minus_one_is_not_measured_for_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch that returned -1 began a measuring step that ran nothing: planned from it, the next step's plan
+    counted no activations at all. It is dropped, and the next batch measures in its place."""
+    plan_on_cpu(monkeypatch)
+    callback = offload_callback(memory_budget="8GiB")
+    # Every epoch: batch 0 steps, batch 1 returns -1.
+    fit(tmp_path, SkipRestOfEpochLit(callback), batches(3), [callback], max_steps=4, max_epochs=5)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, True]
+    # ConstantMemory holds 1 GiB; a plan measured from steps that ran predicts the activations on top of it.
+    assert all(float(row["offload/plan_peak_gib"]) > 1.0 for row in rows[2:])
+
+
+def test_copy_timings_logged_for_a_step_are_its_own_when_the_step_before_was_not_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copy timings finish on the device after their batch ends; a batch not logged does not wait for them. The next
+    batch the logger writes must not count them as its own: identical steps log the same stall and bandwidth whether
+    or not the step before was logged."""
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)  # log the figures CUDA events time
+    keys = ("offload/stall_ms", "offload/d2h_gbps", "offload/h2d_gbps")
+
+    def logged(every: int) -> dict[int, list[float]]:
+        callback = offload_callback(measure_copies=True)
+        root = tmp_path / f"every_{every}"
+        fit(root, LitNet(offload=callback), batches(4), [callback], max_steps=4, log_every_n_steps=every)
+        rows = [row for row in metrics_rows(root) if row.get(keys[0])]
+        return {int(row["step"]): [float(row[key]) for key in keys] for row in rows}
+
+    every_step, every_second = logged(1), logged(2)
+    assert sorted(every_second) == [1, 3]
+    assert every_step[1][1] > 0 and every_step[1][2] > 0
+    for step in (1, 3):
+        assert every_second[step] == pytest.approx(every_step[step]), step
+
+
 # ---------------------------------------------------------------------------------------------- configuration
 
 
