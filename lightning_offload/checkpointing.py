@@ -40,6 +40,7 @@ __all__ = [
     "parse_blocks",
     "remove_checkpointing",
     "select_blocks",
+    "wrap_blocks",
 ]
 
 BlockSelector = str | type[nn.Module]
@@ -158,8 +159,10 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
         The list's qualified name (``""`` when ``model`` itself is the list) and its children.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         ValueError: no non-empty ``nn.ModuleList`` with children of a single class exists.
     """
+    _check_model(model, "find_repeated_blocks")
     best: tuple[int, str, list[nn.Module]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -233,15 +236,27 @@ def apply_checkpointing(
         The qualified names of the checkpointed modules (also those that were already checkpointed).
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         ValueError: ``blocks`` is of another kind, a selector matches no module (the message lists
             :func:`candidate_blocks`), or ``recompute`` is not one of :data:`RECOMPUTE`.
     """
+    _check_model(model, "apply_checkpointing")
     check_recompute(recompute, f"apply_checkpointing(recompute={recompute!r})")
     names = select_blocks(model, blocks)
+    wrap_blocks(model, names, recompute)
+    return names
+
+
+def wrap_blocks(model: nn.Module, names: Iterable[str], recompute: str = "all") -> None:
+    """Checkpoint the modules of ``model`` named ``names`` (as :func:`select_blocks` returned them), as
+    :func:`apply_checkpointing` does; for callers that selected (and quoted their own call) first.
+
+    The names are looked up as they are, not selected again: ``""`` (the model itself) is a valid name here but not
+    a selector, and a qualified name could also equal some class's name.
+    """
     modules = dict(model.named_modules())
     for name in names:
         _wrap(modules[name], recompute)
-    return names
 
 
 def check_recompute(recompute: Any, call: str, checkpoint: Any = "auto") -> None:
@@ -300,7 +315,17 @@ def remove_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -
 
     Returns:
         The qualified names of the modules restored.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``names`` is a single string (pass ``[name]``).
     """
+    _check_model(model, "remove_checkpointing")
+    if isinstance(names, str):
+        # A string is an iterable of its characters: "layers.1" would restore nothing, "10" layers 1 and 0.
+        raise TypeError(
+            f"remove_checkpointing(names={names!r}): names must be an iterable of qualified names (such as "
+            f"[{names!r}]) or None"
+        )
     wanted = None if names is None else set(names)
     restored = []
     for name, module in model.named_modules():
@@ -314,6 +339,11 @@ def remove_checkpointing(model: nn.Module, names: Iterable[str] | None = None) -
                 module.__dict__["forward"] = wrapper.original
             restored.append(name)
     return restored
+
+
+def _check_model(model: Any, call: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}(model={type(model).__name__}): model must be a torch.nn.Module")
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -448,7 +478,7 @@ class RunCheckpointing:
         already = set(checkpointed_modules(model))
         self.applied = [name for name in select_blocks(model, self.blocks, call=self.call) if name not in already]
         if self.applied:
-            apply_checkpointing(model, self.applied, recompute=self.recompute)
+            wrap_blocks(model, self.applied, self.recompute)
 
     def remove(self, model: nn.Module) -> None:
         if self.applied:

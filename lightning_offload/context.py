@@ -68,12 +68,17 @@ def offload_activations(
         raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
     if local_processes is not None and (isinstance(local_processes, bool) or not isinstance(local_processes, int)):
         raise TypeError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
-    from lightning_offload.checkpointing import apply_checkpointing, check_recompute
+    if local_processes is not None and local_processes < 1:
+        # Not silently replaced (by ``LOCAL_WORLD_SIZE`` for 0, by 1 below it): the count splits the host limit.
+        raise ValueError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
+    from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
 
     check_recompute(recompute, f"offload_activations(recompute={recompute!r})", checkpoint)
     if checkpoint is not None:
         if model is None:
             raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
-        apply_checkpointing(model, checkpoint, recompute=recompute)
+        # Selected first, quoting this call (the user never called ``apply_checkpointing``); then wrapped.
+        names = select_blocks(model, checkpoint, call=f"offload_activations(checkpoint={checkpoint!r})")
+        wrap_blocks(model, names, recompute)
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes)

@@ -29,6 +29,7 @@ import torch
 
 from lightning_offload.context import offload_activations
 from lightning_offload.engine import OffloadEngine
+from lightning_offload.options import OffloadOptions
 
 __all__ = ["fabric_offload"]
 
@@ -53,14 +54,27 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         latest forward.
 
     Raises:
-        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, or ``local_processes`` was
-            passed (it comes from Fabric).
+        TypeError: ``fabric`` is not a Fabric, ``model`` not a module, or an option is unknown.
+        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, ``local_processes`` was
+            passed (it comes from Fabric), or an option's value is invalid. Errors quote this call, and nothing is
+            checkpointed then.
     """
+    if not (hasattr(fabric, "device") and hasattr(fabric, "strategy")):
+        raise TypeError(
+            f"fabric_offload(fabric={type(fabric).__name__}): fabric must be a lightning.fabric.Fabric (launched); "
+            "the model comes second: fabric_offload(fabric, model)"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fabric_offload(model={type(model).__name__}): model must be a torch.nn.Module or None")
     if "local_processes" in options:
         raise ValueError(
             f"fabric_offload(local_processes={options['local_processes']!r}): the process count comes from "
             "Fabric's strategy; leave it out"
         )
+    allowed = {*OffloadOptions.names(), "checkpoint", "recompute"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"fabric_offload() got unexpected argument(s) {unknown}; allowed: {sorted(allowed)}")
     device = torch.device(fabric.device)
     if options.get("compute_device") is None:
         if device.type != "cuda":
@@ -70,19 +84,23 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
                 "device."
             )
         options["compute_device"] = device
-    from lightning_offload.checkpointing import apply_checkpointing, check_recompute
+    from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
 
     checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
     check_recompute(recompute, f"fabric_offload(recompute={recompute!r})", checkpoint)
+    # Every value checked here, so that an error quotes this call rather than ``offload_activations``, which it uses.
+    OffloadOptions.create("fabric_offload", **options)
+    # ``fabric.setup`` wraps the module (and DDP inside the wrapper); the blocks belong to the original.
+    module = getattr(model, "module", model) if _is_fabric_wrapper(model) else model
+    names: list[str] = []
     if checkpoint is not None:
+        if module is None:
+            raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
+        names = select_blocks(module, checkpoint, call=f"fabric_offload(checkpoint={checkpoint!r})")
         options["memory_budget"] = None  # checkpointing by hand: the user decides, as with offload_activations
     engine = offload_activations(**options, model=model, local_processes=local_processes(fabric))
-    if checkpoint is not None:
-        if model is None:
-            raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
-        # ``fabric.setup`` wraps the module (and DDP inside the wrapper); the blocks belong to the original.
-        module = getattr(model, "module", model) if _is_fabric_wrapper(model) else model
-        apply_checkpointing(module, checkpoint, recompute=recompute)
+    if names:
+        wrap_blocks(module, names, recompute)  # selected (and the options checked) above: nothing left to fail
     return engine
 
 

@@ -113,6 +113,14 @@ class OffloadOptions:
         """``memory_budget`` in bytes (``None`` for ``"auto"``: the device decides, and without planning)."""
         return self.memory_budget if isinstance(self.memory_budget, int) else None
 
+    def __post_init__(self) -> None:
+        # Built directly rather than through ``create`` (which quotes its caller): validated all the same, and the
+        # budget and device parsed, so a size such as "40GiB" is not kept as a string (``budget_bytes`` would read it
+        # as "auto"). ``create`` and ``dataclasses.replace`` come through here too, with values already valid.
+        values = _validated("OffloadOptions", {f.name: getattr(self, f.name) for f in fields(self)})
+        object.__setattr__(self, "memory_budget", values["memory_budget"])
+        object.__setattr__(self, "compute_device", values["compute_device"])
+
     @classmethod
     def create(cls, caller: str, **kwargs: Any) -> OffloadOptions:
         """Validate ``kwargs`` and return the options; ``caller`` names the call in error messages."""
@@ -120,38 +128,7 @@ class OffloadOptions:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"{caller}() got unexpected argument(s) {unknown}; allowed: {sorted(known)}")
-        mode = kwargs.get("mode", "streamed")
-        if mode not in MODES:
-            raise ValueError(f"{caller}(mode={mode!r}): mode must be one of {list(MODES)}")
-        on_host_full = kwargs.get("on_host_full", "warn")
-        if on_host_full not in ON_HOST_FULL:
-            raise ValueError(
-                f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}"
-            )
-        for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
-            if name in kwargs:
-                _check_bytes(caller, name, kwargs[name], allow_none=False)
-        if kwargs.get("max_offload_bytes") == "auto":
-            raise ValueError(
-                f"{caller}(max_offload_bytes='auto'): 'auto' was retired (it offloaded far more than hides); pass "
-                "memory_budget= (bytes or a string such as '40GiB') to let the planner choose, or a byte count"
-            )
-        if "max_offload_bytes" in kwargs:
-            _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True)
-        if "memory_budget" in kwargs:
-            kwargs["memory_budget"] = parse_budget(caller, kwargs["memory_budget"])
-        for name in ("max_inflight_bytes", "host_memory_limit"):
-            if name in kwargs:
-                _check_bytes(caller, name, kwargs[name], allow_none=True)
-        _check_host_limit(
-            caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES)
-        )
-        for name in ("measure_copies", "plan_trials"):
-            flag = kwargs.get(name, False)
-            if not isinstance(flag, bool):
-                raise TypeError(f"{caller}({name}={flag!r}): {name} must be True or False")
-        kwargs["compute_device"] = _parse_device(caller, kwargs.get("compute_device"))
-        return cls(**kwargs)
+        return cls(**_validated(caller, kwargs))
 
     def resolved_device(self) -> torch.device | None:
         """The compute device: the option if given, else the current CUDA device; ``None`` without CUDA.
@@ -163,6 +140,40 @@ class OffloadOptions:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return None
+
+
+def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` (option names only) checked, with ``memory_budget`` and ``compute_device`` parsed; raises naming
+    ``caller``, the argument and what is allowed."""
+    kwargs = dict(kwargs)
+    mode = kwargs.get("mode", "streamed")
+    if mode not in MODES:
+        raise ValueError(f"{caller}(mode={mode!r}): mode must be one of {list(MODES)}")
+    on_host_full = kwargs.get("on_host_full", "warn")
+    if on_host_full not in ON_HOST_FULL:
+        raise ValueError(f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}")
+    for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
+        if name in kwargs:
+            _check_bytes(caller, name, kwargs[name], allow_none=False)
+    if kwargs.get("max_offload_bytes") == "auto":
+        raise ValueError(
+            f"{caller}(max_offload_bytes='auto'): 'auto' was retired (it offloaded far more than hides); pass "
+            "memory_budget= (bytes or a string such as '40GiB') to let the planner choose, or a byte count"
+        )
+    if "max_offload_bytes" in kwargs:
+        _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True)
+    if "memory_budget" in kwargs:
+        kwargs["memory_budget"] = parse_budget(caller, kwargs["memory_budget"])
+    for name in ("max_inflight_bytes", "host_memory_limit"):
+        if name in kwargs:
+            _check_bytes(caller, name, kwargs[name], allow_none=True)
+    _check_host_limit(caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES))
+    for name in ("measure_copies", "plan_trials"):
+        flag = kwargs.get(name, False)
+        if not isinstance(flag, bool):
+            raise TypeError(f"{caller}({name}={flag!r}): {name} must be True or False")
+    kwargs["compute_device"] = _parse_device(caller, kwargs.get("compute_device"))
+    return kwargs
 
 
 def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> None:
@@ -186,8 +197,10 @@ def parse_budget(caller: str, value: Any) -> int | str | None:
         return value
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS and float(match.group(1)) > 0:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        if match and match.group(2).lower() in _UNITS:
+            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            if size > 0:  # a fraction of a byte ("0.4") rounds down to a budget of 0, which no step fits
+                return size
     raise ValueError(
         f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, a byte count > 0 or a size such "
         "as '40GiB', '512MiB' or '80GB'"

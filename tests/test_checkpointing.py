@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import (
+    RunCheckpointing,
     apply_checkpointing,
     candidate_blocks,
     checkpointed_modules,
@@ -210,6 +211,43 @@ def test_remove_only_the_named_modules(toy: Toy) -> None:
     apply_checkpointing(toy)
     assert remove_checkpointing(toy, ["layers.1", "layers.9", "embed"]) == ["layers.1"]
     assert checkpointed_modules(toy) == ["layers.0", "layers.2"]
+
+
+@pytest.mark.parametrize("names", ["layers.1", "10"])
+def test_remove_refuses_a_single_name_string_naming_the_argument(toy: Toy, names: str) -> None:
+    """A bare string is not read as its characters (``"layers.1"`` restored nothing, ``"10"`` restored layers 1 and
+    0): it raises naming ``names`` and the allowed form, and every module stays wrapped."""
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(11)])
+    for target in (toy, model):
+        apply_checkpointing(target, "Block" if target is toy else "Linear")
+        wrapped = checkpointed_modules(target)
+        with pytest.raises(TypeError, match=rf"^remove_checkpointing\(names='{names}'\): names must be"):
+            remove_checkpointing(target, names)
+        assert checkpointed_modules(target) == wrapped
+
+
+@pytest.mark.parametrize("call", ["apply_checkpointing", "remove_checkpointing", "find_repeated_blocks"])
+@pytest.mark.parametrize("model", [None, [nn.Linear(2, 2)]])
+def test_a_model_that_is_not_a_module_is_refused_naming_the_argument(call: str, model: object) -> None:
+    """``model=None`` (or a list of layers) raises TypeError naming ``model``, not an AttributeError from inside."""
+    function = {
+        "apply_checkpointing": apply_checkpointing,
+        "remove_checkpointing": remove_checkpointing,
+        "find_repeated_blocks": find_repeated_blocks,
+    }[call]
+    with pytest.raises(TypeError, match=rf"^{call}\(model={type(model).__name__}\): model must be a torch.nn.Module"):
+        function(model)  # type: ignore[arg-type]
+
+
+def test_run_checkpointing_applies_and_removes_a_selection_of_the_root_module(toy: Toy) -> None:
+    """The callback's ``checkpoint=`` selecting the model itself (by its class) wraps it, as ``apply_checkpointing``
+    does, instead of raising about ``apply_checkpointing(blocks=[''])``, a call the user never made."""
+    run = RunCheckpointing("Toy", "ActivationOffloadCallback(checkpoint='Toy')")
+    run.check(toy)
+    run.apply(toy)
+    assert checkpointed_modules(toy) == [""]
+    run.remove(toy)
+    assert checkpointed_modules(toy) == []
 
 
 def test_gradients_bit_identical_with_and_without_checkpointing(toy: Toy) -> None:

@@ -163,3 +163,40 @@ def test_checkpoint_by_hand_switches_the_planner_off_as_in_offload_activations()
     module = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
     assert fabric_offload(fabric, module, checkpoint="auto", compute_device="cpu").options.memory_budget is None
     assert offload_activations(model=module, checkpoint="auto", compute_device="cpu").options.memory_budget is None
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "start"),
+    [
+        ({"mode": "fast"}, ValueError, "fabric_offload(mode='fast'): mode must be one of"),
+        ({"memory_budget": "-3GiB"}, ValueError, "fabric_offload(memory_budget='-3GiB'): memory_budget must be"),
+        ({"compute_device": "tpu"}, ValueError, "fabric_offload(compute_device='tpu'): expected"),
+        ({"prefetch": 1}, TypeError, "fabric_offload() got unexpected argument(s) ['prefetch']; allowed:"),
+        ({"checkpoint": "Nope"}, ValueError, "fabric_offload(checkpoint='Nope'): 'Nope' matches no module"),
+        ({"checkpoint": 3}, ValueError, "fabric_offload(checkpoint=3): blocks must be"),
+    ],
+)
+def test_fabric_offload_errors_quote_fabric_offload_and_wrap_nothing(
+    options: dict[str, Any], error: type[Exception], start: str
+) -> None:
+    """A bad option raises quoting ``fabric_offload``, the call the user made (not ``offload_activations`` or
+    ``apply_checkpointing``, which it uses), and no block is checkpointed."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    with pytest.raises(error) as info:
+        fabric_offload(fabric, module, **{"compute_device": "cpu", "checkpoint": "Linear", **options})
+    assert str(info.value).startswith(start), str(info.value)
+    assert checkpointed_modules(module) == []
+
+
+@pytest.mark.parametrize(("fabric", "model"), [(None, None), (nn.Linear(2, 2), None), ("fabric", [nn.Linear(2, 2)])])
+def test_fabric_offload_refuses_what_is_not_a_fabric_or_a_module_naming_the_argument(fabric: Any, model: Any) -> None:
+    """A model passed in Fabric's place (or ``None``) raises TypeError naming ``fabric``, not an AttributeError from
+    inside; a model that is not a module names ``model``."""
+    if fabric == "fabric":
+        fabric = Fabric(accelerator="cpu", devices=1)
+        match = r"^fabric_offload\(model=list\): model must be a torch.nn.Module or None"
+    else:
+        match = rf"^fabric_offload\(fabric={type(fabric).__name__}\): fabric must be a lightning.fabric.Fabric"
+    with pytest.raises(TypeError, match=match):
+        fabric_offload(fabric, model, compute_device="cpu")

@@ -182,3 +182,54 @@ def test_both_signatures_take_every_option_with_its_default() -> None:
         for field in dataclasses.fields(OffloadOptions):
             assert field.name in parameters, f"{call.__qualname__} lacks {field.name}"
             assert parameters[field.name].default == field.default, (call.__qualname__, field.name)
+
+
+@pytest.mark.parametrize("value", ["0.4", "0.5B", "0.9 b"])
+def test_memory_budget_rejects_a_size_that_rounds_to_zero_bytes_naming_the_argument(value: str) -> None:
+    """A size string below one byte is a budget of 0 bytes, which no step fits: refused like ``0`` itself."""
+    with pytest.raises(ValueError, match=rf"offload_activations\(memory_budget='{value}'\): memory_budget must be"):
+        offload_activations(memory_budget=value)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_local_processes_rejects_a_count_below_one_naming_the_argument(value: int) -> None:
+    """``local_processes=0`` or a negative count was accepted and silently replaced (by ``LOCAL_WORLD_SIZE`` or 1)."""
+    with pytest.raises(ValueError, match=rf"offload_activations\(local_processes={value}\): expected a positive int"):
+        offload_activations(compute_device="cpu", local_processes=value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"mode": "fast"}, ["mode='fast'", *MODES]),
+        ({"memory_budget": "40 parsecs"}, ["memory_budget='40 parsecs'", "'40GiB'"]),
+        ({"min_tensor_bytes": -1}, ["min_tensor_bytes=-1", ">= 0"]),
+        ({"compute_device": "tpu"}, ["compute_device='tpu'", "cpu"]),
+    ],
+)
+def test_direct_construction_validates_like_create(kwargs: dict[str, Any], words: list[str]) -> None:
+    """``OffloadOptions(...)`` itself refuses bad values, as its docstring says, naming the argument."""
+    with pytest.raises(ValueError) as info:
+        OffloadOptions(**kwargs)
+    message = str(info.value)
+    assert message.startswith("OffloadOptions(")
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_direct_construction_parses_a_memory_budget_size() -> None:
+    """``OffloadOptions(memory_budget="40GiB")`` plans under 40 GiB (the string was kept, and read as "auto")."""
+    options = OffloadOptions(memory_budget="40GiB", compute_device="cpu")  # type: ignore[arg-type]
+    assert options.budget_bytes() == 40 << 30 and options.compute_device == torch.device("cpu")
+
+
+def test_a_selector_that_matches_nothing_quotes_offload_activations() -> None:
+    """``offload_activations(checkpoint=...)`` quotes itself, not ``apply_checkpointing(blocks=...)``, which the
+    user never called; nothing is wrapped."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError) as info:
+        offload_activations(model=model, checkpoint=["Linear", "Block"])
+    assert str(info.value).startswith("offload_activations(checkpoint=['Linear', 'Block']): 'Block' matches no")
+    with pytest.raises(ValueError, match=r"^offload_activations\(checkpoint=3\): blocks must be"):
+        offload_activations(model=model, checkpoint=3)
+    assert checkpointed_modules(model) == []
