@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch._C import _WeakTensorRef
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class StorageCopy:
         "need_pos",
         "pool",
         "producer",
+        "root_ref",
         "state",
         "storage_ref",
         "version",
@@ -58,6 +60,8 @@ class StorageCopy:
 
     def __init__(self, tensor: torch.Tensor, storage_ref: StorageWeakRef, lo: int, hi: int, producer: object) -> None:
         self.storage_ref = storage_ref  # keeps the storage's identity unique while this record lives
+        # The same for the tensor whose version counter its views share (``version_root``), without holding its bytes.
+        self.root_ref = _WeakTensorRef(version_root(tensor))
         self.version = tensor._version
         self.lo, self.hi = lo, hi
         self._src: torch.Tensor | object | None = _UNMADE  # see ``src``
@@ -185,6 +189,18 @@ class SavedView:
         offset = (span.storage_offset() + self.offset) // itemsize
         out = torch.empty(0, dtype=self.dtype, device=span.device)
         return out.set_(span.untyped_storage(), offset, self.size, self.stride)
+
+
+def version_root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``tensor`` shares for certain: the base it is a view of, else itself.
+
+    Tensors of one storage do not always share a counter: ``unsafe_chunk`` and ``unsafe_split`` (PyTorch's GRU cell
+    on the CPU changes such chunks of its gates in place and saves each), ``_unsafe_view`` and ``.data`` give each
+    their own. Equal versions of two counters say nothing about the bytes, so a copy serves only tensors of one root.
+    (Aliases that share a counter without being views, ``x.detach()``, count as roots of their own: copied apart.)
+    """
+    base = tensor._base
+    return tensor if base is None else base
 
 
 def byte_span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, plan_step, planner_for
-from lightning_offload.copies import SavedView, State, StorageCopy, modified_error
+from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
@@ -281,7 +281,10 @@ class OffloadEngine:
             outbound.tail = 0
             self._offloading_starts()
         storage = tensor.untyped_storage()
-        copy = log.find(storage._cdata, start, end, tensor._version)
+        # Only tensors sharing a version counter share a copy: its version check then covers each of them. (The copy
+        # pins both identities, so neither address can be reused while it lives.)
+        key = (storage._cdata, version_root(tensor)._cdata)
+        copy = log.find(key, start, end, tensor._version)
         off = self.options.mode == "off"
         if copy is None:
             # Past the forward's byte limit a copy can never leave: it needs no producer stream and no place in the
@@ -289,7 +292,7 @@ class OffloadEngine:
             stays = off or outbound.beyond_limit(log.position + hi - lo - log.forward_start)
             producer = None if stays else producer_stream(self._transfer)
             copy = StorageCopy(tensor, StorageWeakRef(storage), lo, hi, producer)
-            log.add(copy, storage._cdata)
+            log.add(copy, key)
             stats.eligible_bytes += copy.nbytes
             if off:
                 # Count only (each storage span once): the record lives until forward ends, for dedup.

@@ -26,22 +26,24 @@ class SaveLog:
         self.previous_forward: int | None = None
         self.backward_pos = 0
         self.forward_open = False
-        self._by_storage: dict[int, list[weakref.ref[StorageCopy]]] = {}  # the open forward's copies, for dedup
+        # The open forward's copies, for dedup, by storage and by the tensor whose version counter their views share.
+        self._by_storage: dict[tuple[int, int], list[weakref.ref[StorageCopy]]] = {}
         self._step: list[weakref.ref[StorageCopy]] = []  # copies of the current step and of older live graphs
         self._step_first = 0  # copies before this index belong to earlier steps
 
-    def find(self, storage_key: int, start: int, end: int, version: int) -> StorageCopy | None:
-        """The open forward's copy that can serve bytes ``[start, end)`` of the storage at ``version``, if any."""
-        for ref in self._by_storage.get(storage_key, ()):
+    def find(self, key: tuple[int, int], start: int, end: int, version: int) -> StorageCopy | None:
+        """The open forward's copy that can serve bytes ``[start, end)`` of a storage at ``version``, if any. ``key``:
+        the storage's and the version root's (:func:`~lightning_offload.copies.version_root`) identities."""
+        for ref in self._by_storage.get(key, ()):
             copy = ref()
             if copy is not None and copy.covers(start, end, version):
                 return copy
         return None
 
-    def add(self, copy: StorageCopy, storage_key: int) -> None:
-        """Record a new copy at the top of the open forward."""
+    def add(self, copy: StorageCopy, key: tuple[int, int]) -> None:
+        """Record a new copy at the top of the open forward (``key`` as for :meth:`find`)."""
         ref = weakref.ref(copy)
-        self._by_storage.setdefault(storage_key, []).append(ref)
+        self._by_storage.setdefault(key, []).append(ref)
         self._step.append(ref)
         self.position += copy.nbytes
         copy.end_pos = copy.need_pos = self.position

@@ -339,6 +339,66 @@ def test_same_storage_new_version_gets_new_copy() -> None:
     assert torch.equal(log[0], x.detach() + 1.0)
 
 
+def _unsafe_chunks_loss(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss over two chunks of one storage that ``unsafe_chunk`` gives a version counter each (as PyTorch's GRU cell
+    does on the CPU), each changed in place and saved at version 1: the second after the first was saved. Returns the
+    loss and the second chunk."""
+    first, second = (x * 1.0).unsafe_chunk(2, dim=1)
+    first.sigmoid_()  # saves its result
+    second.sigmoid_()
+    return first.sum() + 2 * second.sum(), second
+
+
+@pytest.mark.parametrize("tail", [0, 1 << 30])
+@pytest.mark.parametrize("mode", MODES)
+def test_tensors_of_one_storage_with_their_own_version_counters_never_share_a_copy(mode: str, tail: int) -> None:
+    """Equal versions of two counters say nothing about the bytes: the second chunk, saved at the version the first
+    was saved at but changed after the first's copy was taken, must not be served from that copy (a wrong gradient);
+    and changed in place after forward, it must raise as in plain autograd, though the first chunk's counter never
+    moved (one copy checked only the first's)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    loss, second = _unsafe_chunks_loss(x)
+    loss.backward()
+    expected, x.grad = x.grad, None
+    loss, second = _unsafe_chunks_loss(x)
+    with torch.no_grad():
+        second.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # what plain autograd does
+
+    engine = make_engine(mode=mode, resident_tail_bytes=tail)
+    with engine:
+        loss, second = _unsafe_chunks_loss(x)
+    loss.backward()
+    assert torch.equal(x.grad, expected)
+    x.grad = None
+    with engine:
+        loss, second = _unsafe_chunks_loss(x)
+    with torch.no_grad():
+        second.mul_(2)
+    assert_inplace_error_or_exact_grad(loss, x, expected)
+
+
+class _GruLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x * 1.0)
+        return out.square().sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gru_gives_the_gradients_it_gives_without_offloading(mode: str) -> None:
+    """PyTorch's GRU on the CPU saves chunks of one gate storage that ``unsafe_chunk`` gave counters of their own."""
+    torch.manual_seed(0)
+    model = _GruLoss()
+    x = torch.randn(2, 5, 8)
+    expected = train_step(model, x)
+    assert_same_grads(train_step(model, x, make_engine(mode=mode)), expected)
+
+
 # ----------------------------------------------------------------------------------- only tensors of the compute device
 
 
