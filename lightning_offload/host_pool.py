@@ -111,9 +111,11 @@ class HostPool:
         cls = size_class(nbytes)
         with self._lock:
             bucket = self._free.get(cls)
+            if not bucket and self._fits(cls, limit):
+                bucket = self._free.get(self._larger_idle(cls))
             if bucket:
                 item = bucket.pop()
-                self.in_use_bytes += cls
+                self.in_use_bytes += item.buffer.numel()
                 return item.buffer, item.ready
             self._make_room(cls, limit)
             self.reserved_bytes += cls
@@ -144,10 +146,22 @@ class HostPool:
                 self._forget(item.buffer)
                 self.reserved_bytes -= item.buffer.numel()
 
+    def _larger_idle(self, cls: int) -> int:
+        """The smallest class of up to twice ``cls`` with an idle buffer (0: none). Shapes that change step after step
+        (sequence lengths) meet a new class each time: without this the pool kept a buffer of every class it met
+        (11x one step's need, measured with lengths drawn from 512-4096) and pinned new ones for a hundred steps.
+        Asked only while a buffer of ``cls`` would fit: at the limit, idle buffers are dropped for buffers of the
+        exact classes instead, which fit more copies under it."""
+        return min((c for c, bucket in self._free.items() if bucket and cls < c <= 2 * cls), default=0)
+
     def _make_room(self, nbytes: int, limit: int) -> None:
         # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the
-        # old classes would otherwise hold the budget forever.
-        while self.reserved_bytes - self.in_use_bytes > 0 and not self._fits(nbytes, limit):
+        # old classes would otherwise hold the budget forever. None is dropped where dropping them all would not
+        # make room: a step of fixed shapes that hits the limit would free a buffer it needs later, and pin it again
+        # in every step.
+        idle = self.reserved_bytes - self.in_use_bytes
+        could_fit = self.in_use_bytes + nbytes <= limit and _ram_to_spare() + idle >= nbytes
+        while could_fit and self.reserved_bytes - self.in_use_bytes > 0 and not self._fits(nbytes, limit):
             cls = max((c for c, b in self._free.items() if b), default=None)
             if cls is None:
                 break

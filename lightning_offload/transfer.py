@@ -28,6 +28,10 @@ class SyncTransfer:
 
     def copy_out(self, copy: StorageCopy, target: torch.Tensor, ready: Event | None) -> Event | None:
         with trace_range("offload::d2h"):
+            if ready is not None:
+                # The pooled buffer's last copy ran on a streamed engine's copy stream (the pool is the process's),
+                # and nothing orders this stream after it: the host waits, as it does for every copy here.
+                ready.synchronize()
             target.copy_(copy.src)  # type: ignore[arg-type]
         return None
 
