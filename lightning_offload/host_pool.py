@@ -111,8 +111,6 @@ class HostPool:
         cls = size_class(nbytes)
         with self._lock:
             bucket = self._free.get(cls)
-            if not bucket and self._fits(cls, limit):
-                bucket = self._free.get(self._larger_idle(cls))
             if bucket:
                 item = bucket.pop()
                 self.in_use_bytes += item.buffer.numel()
@@ -145,14 +143,6 @@ class HostPool:
                     item.ready.synchronize()
                 self._forget(item.buffer)
                 self.reserved_bytes -= item.buffer.numel()
-
-    def _larger_idle(self, cls: int) -> int:
-        """The smallest class of up to twice ``cls`` with an idle buffer (0: none). Shapes that change step after step
-        (sequence lengths) meet a new class each time: without this the pool kept a buffer of every class it met
-        (11x one step's need, measured with lengths drawn from 512-4096) and pinned new ones for a hundred steps.
-        Asked only while a buffer of ``cls`` would fit: at the limit, idle buffers are dropped for buffers of the
-        exact classes instead, which fit more copies under it."""
-        return min((c for c, bucket in self._free.items() if bucket and cls < c <= 2 * cls), default=0)
 
     def _make_room(self, nbytes: int, limit: int) -> None:
         # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the
