@@ -113,7 +113,7 @@ class HostPool:
             bucket = self._free.get(cls)
             if bucket:
                 item = bucket.pop()
-                self.in_use_bytes += item.buffer.numel()
+                self.in_use_bytes += cls
                 return item.buffer, item.ready
             self._make_room(cls, limit)
             self.reserved_bytes += cls

@@ -496,6 +496,22 @@ def test_the_measuring_steps_time_compute_not_the_waits_for_their_own_copies() -
     assert plan.fits and plan.checkpoint_blocks > 0
 
 
+def offloading_over_a_slow_link(act: int) -> tuple[SimulatedStreams, Stack, OffloadEngine]:
+    """The scenario the tests of planned steps that turn out slower start from: a budget of twice forward's ``act``
+    saved bytes, a link of 512 KiB/ms (what the measuring steps see) and a long backward, so the first plan offloads
+    and checkpoints nothing. Returns the simulated streams, the model and the engine."""
+    sim, model, _, engine = planned_stack(
+        act * 2,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        lag=None,
+        bytes_per_ms=float(512 * KiB),
+        backward_ms=2 * BLOCK_MS,
+    )
+    return sim, model, engine
+
+
 def test_planned_steps_that_wait_for_copies_longer_than_predicted_shift_the_plan(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -504,15 +520,7 @@ def test_planned_steps_that_wait_for_copies_longer_than_predicted_shift_the_plan
     waits and plans again: less offloading, more checkpointing, the same gradients."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    sim, model, _, engine = planned_stack(
-        act * 2,
-        base=0,
-        transient=act * 12 // 10,
-        unhooked_resident=act,
-        lag=None,
-        bytes_per_ms=float(512 * KiB),  # the link the measuring steps see
-        backward_ms=2 * BLOCK_MS,
-    )
+    sim, model, engine = offloading_over_a_slow_link(act)
     run_steps(engine, model, x, 3)
     first = engine.planner.plan  # type: ignore[union-attr]
     assert first is not None and first.offload_bytes > 0 and first.checkpoint_blocks == 0
@@ -536,15 +544,7 @@ def test_planned_steps_whose_forward_computes_slower_with_copies_learn_their_cos
     planner a cost per GiB offloaded, and it plans again towards checkpointing; the gradients stay the same."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    _, model, _, engine = planned_stack(
-        act * 2,
-        base=0,
-        transient=act * 12 // 10,
-        unhooked_resident=act,
-        lag=None,
-        bytes_per_ms=float(512 * KiB),
-        backward_ms=2 * BLOCK_MS,
-    )
+    _, model, engine = offloading_over_a_slow_link(act)
     run_steps(engine, model, x, 3)
     planner = engine.planner
     assert planner is not None and planner.plan is not None and planner.profile is not None
