@@ -66,13 +66,14 @@ def _merge_searches(
 ) -> dict[str, Any]:
     """One model and cap: the later run's searches win per mode, and the modes only an earlier run searched stay
     (a run that searched one mode again does not drop the others). A later search cut short (by its deadline) does
-    not replace an earlier one that finished: it knows less about the same mode."""
+    not replace an earlier one that finished, nor one also cut short that trained a longer sequence: it knows less
+    about the same mode."""
     modes = {entry["mode"]: (entry, run) for entry in searched}
     walls = {run: result.get("wall_s") or 0.0}
     if earlier is not None:
         for entry, source in zip(earlier["searches"], earlier["mode_sources"], strict=True):
             later = modes.get(entry["mode"])
-            if later is None or (entry.get("complete") and not later[0].get("complete")):
+            if later is None or _knows_more(entry, later[0]):
                 modes[entry["mode"]] = (entry, source)
                 walls.setdefault(source, earlier["run_walls"][source])
     sources = [source for _, source in modes.values()]
@@ -89,6 +90,13 @@ def _merge_searches(
         "wall_s": sum(walls.values()),  # the workers' time behind the searches kept
         "source_run": named,
     }
+
+
+def _knows_more(earlier: dict[str, Any], later: dict[str, Any]) -> bool:
+    """Whether an earlier search of a mode says more than a later one cut short by its deadline."""
+    if later.get("complete"):
+        return False
+    return bool(earlier.get("complete")) or (earlier.get("longest") or 0) > (later.get("longest") or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,26 @@ def test_a_search_cut_short_does_not_replace_one_that_finished() -> None:
     assert set(result["run_walls"]) == {"cap-a", "cap-b"}  # both runs' searches are kept, so both workers count
 
 
+def test_of_two_searches_cut_short_the_one_that_got_further_is_kept() -> None:
+    """Two AC searches both cut short by their deadlines: the one that got further (a longer sequence trained) is
+    kept, whichever run came last; ours, finished in the later run, comes from it."""
+    a = _capacity_run("cap-a", {80: 43008})
+    b = _capacity_run("cap-b", {80: 43008})
+    for search in a["capacity"][0]["searches"]:
+        search["complete"] = search["mode"] != "ac"
+        if search["mode"] == "ac":
+            search.update(longest=36864, upper=38912, status="incomplete: deadline")
+    for search in b["capacity"][0]["searches"]:
+        search["complete"] = search["mode"] != "ac"
+        if search["mode"] == "ac":
+            search.update(longest=24576, upper=None, first_fail=None, status="incomplete: deadline")
+    merged = merge([a, b], "dev")
+    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 80]
+    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    assert longest == {"ac": 36864, "ours-budget": 43008}
+    assert result["source_run"] == "ac from cap-a, ours-budget from cap-b"
+
+
 def _interleaved(workload: str, none_ms: float, default_ms: float) -> dict:
     arms = {"none": {"median_ms": none_ms}, "default": {"median_ms": default_ms}, "ac": {"median_ms": 3 * none_ms}}
     return {"workload": {"name": workload}, "rounds": 200, "arms": arms}
