@@ -339,7 +339,14 @@ def _require_trainer(trainer: Any, hook: str) -> None:
 def _builds_layers_after_setup(pl_module: pl.LightningModule) -> bool:
     """Whether the module may create layers after the callbacks' ``setup``: in its own ``setup`` (called after the
     callbacks') or in ``configure_model`` (called after every ``setup``)."""
-    return any(is_overridden(hook, pl_module) for hook in ("setup", "configure_model", "configure_sharded_model"))
+    # The base class is named: ``is_overridden`` finds it only for a ``lightning.pytorch`` module and raises for a
+    # ``pytorch_lightning`` one (the twin callback in ``pl_compat``), whose base is that package's own class.
+    parent: type = pl.LightningModule
+    standalone = getattr(sys.modules.get("pytorch_lightning"), "LightningModule", None)
+    if not isinstance(pl_module, parent) and isinstance(standalone, type) and isinstance(pl_module, standalone):
+        parent = standalone
+    hooks = ("setup", "configure_model", "configure_sharded_model")
+    return any(is_overridden(hook, pl_module, parent) for hook in hooks)
 
 
 def _require_matplotlib() -> None:

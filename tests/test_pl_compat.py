@@ -75,3 +75,18 @@ def test_two_callbacks_are_refused(tmp_path: Path) -> None:
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1, logger=False, callbacks=callbacks))
     with pytest.raises(RuntimeError, match="holds 2 ActivationOffloadCallback instances"):
         trainer.fit(make_module(pl))
+
+
+def test_checkpoint_option_trains_under_a_pytorch_lightning_trainer(tmp_path: Path) -> None:
+    """``checkpoint=`` checks, in ``setup``, whether the module builds its layers later (its own ``setup`` or
+    ``configure_model``): that check must work for a ``pytorch_lightning.LightningModule`` too (it is not a
+    ``lightning.pytorch`` one), and training is the plain one, with the wrappers gone afterwards."""
+    reference = make_module(pl)
+    pl.Trainer(**trainer_kwargs(tmp_path / "a", max_steps=3, logger=False)).fit(reference)
+    offloaded = make_module(pl)
+    callback = ActivationOffloadCallback(mode="sync", checkpoint="net.3", **OFFLOAD_ALL)
+    pl.Trainer(**trainer_kwargs(tmp_path / "b", max_steps=3, logger=False, callbacks=[callback])).fit(offloaded)
+    assert callback.stats.offloaded_bytes > 0
+    for a, b in zip(reference.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert "forward" not in offloaded.net[3].__dict__
