@@ -155,11 +155,6 @@ class ActivationOffloadCallback(Callback):
         self._active = True
         self._shapes = None
         self._reporter.start_fit(device)
-        if self._picture is not None:
-            # The comparison batch skips offloading for one whole optimizer step (not so under accumulation, manual
-            # optimization or LBFGS), and with mode="off" there is nothing to compare.
-            whole = options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
-            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=whole)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -176,6 +171,12 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = pl_module.automatic_optimization and not any(
             isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
         )
+        if self._picture is not None:
+            # Planned here, not in ``setup``: whether a batch is one whole optimizer step needs the optimizers. The
+            # comparison batch skips offloading for one whole optimizer step (not so under accumulation, manual
+            # optimization or LBFGS), and with mode="off" there is nothing to compare.
+            whole = self.options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
+            self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=whole)
         if self._engine is not None and self._engine.options.plans and pl_module.device.type == "cuda":
             budget = self.options.memory_budget
             rank_zero_info(f"ActivationOffloadCallback: memory_budget={budget!r}; measuring the first batch to plan")

@@ -1160,3 +1160,26 @@ def test_first_logged_peak_and_epoch_max_belong_to_this_fit(tmp_path: Path, monk
     ]
     assert flushes == [0.0, 2.0, 0.0]
     assert float(trainer.callback_metrics["offload/peak_allocated_gib_epoch_max"]) == 2.0
+
+
+def test_memory_picture_comparison_is_skipped_under_manual_optimization_and_lbfgs_from_the_first_fit(
+    tmp_path: Path,
+) -> None:
+    """The comparison batch (run without offloading) is documented as skipped under manual optimization and LBFGS,
+    where a batch is not one whole optimizer step. That is known only once the optimizers exist: the first fit of a
+    callback must skip it as well as later ones, and a later plain fit on the same callback must compare again."""
+    callback = offload_callback(mode="sync", memory_picture=True)
+    recorder = Recorder(callback)
+    fit(tmp_path / "manual", ManualLit(callback), batches(3), [callback, recorder], max_steps=-1, max_epochs=1)
+    assert callback._picture is not None
+    assert [trace.kind for trace in callback._picture._traces] == ["offloaded"]
+    assert [s.offloaded_bytes > 0 for s in recorder.stats] == [True] * 3
+
+    callback = offload_callback(mode="sync", memory_picture=True)
+    fit(tmp_path / "lbfgs", LBFGSLit(offload=callback), batches(3), [callback], max_steps=3)
+    assert callback._picture is not None
+    assert [trace.kind for trace in callback._picture._traces] == ["offloaded"]
+    # The same callback, in a fit whose batches are whole optimizer steps: the comparison runs.
+    fit(tmp_path / "plain", LitNet(offload=callback), batches(3), [callback], max_steps=3)
+    assert [trace.kind for trace in callback._picture._traces] == ["offloaded", "baseline"]
+    assert_clean(callback)
