@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -311,11 +312,30 @@ _doc = _doc.replace(" " * 8 + "{picture}\n", PICTURE_OPTION_DOCS).replace(" " * 
 ActivationOffloadCallback.__doc__ = _doc.replace(" " * 4 + "{metrics}\n", METRIC_DOCS)
 
 
-def _shapes(batch: Any) -> tuple[Any, ...]:
-    """The shapes of the tensors in a batch (any nesting of lists, tuples and dicts)."""
-    from torch.utils._pytree import tree_leaves
+def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensors in a batch: any nesting of mappings, sequences and dataclasses.
 
-    return tuple(tuple(leaf.shape) for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+    Walked by hand rather than with ``torch.utils._pytree``, which sees a ``Mapping`` that is no ``dict`` (Hugging
+    Face's ``BatchEncoding``, a ``UserDict``) or a dataclass as one opaque leaf: a new sequence length inside it
+    would go unnoticed and the old shape's plan would run on it.
+    """
+    shapes: list[tuple[int, ...]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(value.shape))
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            for item in value:
+                walk(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name))
+
+    walk(batch)
+    return tuple(shapes)
 
 
 def _require_trainer(trainer: Any, hook: str) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import gc
 import pickle
 import warnings
+from collections import UserDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1183,3 +1185,33 @@ def test_memory_picture_comparison_is_skipped_under_manual_optimization_and_lbfg
     fit(tmp_path / "plain", LitNet(offload=callback), batches(3), [callback], max_steps=3)
     assert [trace.kind for trace in callback._picture._traces] == ["offloaded", "baseline"]
     assert_clean(callback)
+
+
+@dataclasses.dataclass
+class DataclassBatch:
+    """A batch as a dataclass (Lightning moves its tensors to the device like any collection)."""
+
+    x: torch.Tensor
+
+
+class MappingBatch(UserDict):
+    """A batch as a ``Mapping`` that is no ``dict`` (as Hugging Face's ``BatchEncoding``, a ``UserDict``)."""
+
+
+class CollectionLit(LitNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        return self.forward_logged(batch["x"] if isinstance(batch, MappingBatch) else batch.x)
+
+
+@pytest.mark.parametrize("wrap", [MappingBatch, DataclassBatch], ids=["mapping", "dataclass"])
+def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrap: Callable[..., Any]
+) -> None:
+    """A batch whose tensors change shape is measured again, whatever collection holds them: a ``Mapping`` that is no
+    ``dict`` (a tokenizer's ``BatchEncoding``) or a dataclass as well as a plain tensor, tuple or dict."""
+    plan_on_cpu(monkeypatch)
+    callback = offload_callback(memory_budget="8GiB")
+    data = [wrap(x=x) for x in batches(3) + batches(2, shape=(2 * BATCH, WIDTH))]
+    fit(tmp_path, CollectionLit(offload=callback), data, [callback], max_steps=5)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
