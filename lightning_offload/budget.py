@@ -757,7 +757,9 @@ class BudgetPlanner:
                     f"state take {self._base / GiB:.2f} GiB and the step's other transients (the loss and logits "
                     f"among them) {(fixed - self._base) / GiB:.2f} GiB"
                 )
-            _log.info(text)
+            # A plan that does not fit is a warning: under a hard cap the next step runs out of memory, and INFO is not
+            # shown where nothing set logging up (a plain PyTorch loop), so nothing would have said so before.
+            _log.log(logging.INFO if plan.fits else logging.WARNING, text)
             if self.on_plan is not None:
                 self.on_plan(text)
 

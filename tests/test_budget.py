@@ -1635,3 +1635,29 @@ def test_the_segments_returned_as_a_step_begins_do_not_count_as_its_reserved_pea
     planner.end_step(eligible=GiB, offloaded=GiB, forward_ms=10.0, link_bytes_per_ms=1e6, extra={})
     margin = 10 * GiB - planner.plan_budget
     assert margin == (int(0.05 * 10 * GiB) if emptied else int(1.5 * (int(9.8 * GiB) - 2 * GiB) + 0.02 * 10 * GiB))
+
+
+def test_a_plan_that_does_not_fit_is_a_warning_with_what_it_needs_against_the_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A budget the weights fit but no plan does: said as a warning (seen without any logging set up) as the plan is
+    chosen, before a hard cap would raise, with what the most frugal plan needs against the budget. A model without
+    repeated blocks has no frugal measuring step to warn about: the plan is the first and only word of it."""
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(MiB))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+    memory = FakeMemory(base=GiB, transient=64 * MiB)
+    engine = planned_engine(GiB + 32 * MiB, memory, model, sim)
+    x = torch.randn(BATCH, WIDTH)
+    with caplog.at_level(logging.WARNING, logger="lightning_offload"):
+        for _ in range(3):
+            with engine:
+                loss = model(x).square().mean()
+            loss.backward()
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and not planner.plan.fits
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        "does NOT fit the budget of 1.03 GiB" in text and "Even the most frugal plan needs 1.06" in text
+        for text in warned
+    ), warned
