@@ -306,6 +306,10 @@ class BudgetPlanner:
         # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
         self.abandon_step()
         self.profile = None
+        # The plan held is the old input's: steps from here on (measuring ones first) did not run it, even where the
+        # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
+        self._plan_since = None
+        self._slow_forward = None
         self._measure_left = max(self._measure_left, measuring_steps)
         self._trials.reset()
         self._full_block = None  # a new input shape saves other bytes per block

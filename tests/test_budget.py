@@ -1661,3 +1661,31 @@ def test_a_plan_that_does_not_fit_is_a_warning_with_what_it_needs_against_the_bu
         "does NOT fit the budget of 1.03 GiB" in text and "Even the most frugal plan needs 1.06" in text
         for text in warned
     ), warned
+
+
+def test_a_replans_measuring_step_is_not_taken_for_a_step_of_the_plan_it_arrives_at_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After :meth:`replan` the measuring step offloads everything with copies barely ahead of compute, so it waits
+    for copies far longer than any plan. Where its profile leads to the very plan that ran before, that step must not
+    count as a step of the plan: its waits would teach the model a link share of 1% for good (kept for every later
+    measurement), and move the plan to checkpointing every block."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim, model, engine = offloading_over_a_slow_link(act)
+    run_steps(engine, model, x, 5)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    before = planner.plan
+    assert before.offload_bytes > 0 and before.checkpoint_blocks == 0
+    engine.replan()
+    sim.bytes_per_ms = float(8 * KiB)  # the measuring step waits long for its copies (its measured link is the same)
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        run_steps(engine, model, x, 1)
+        sim.bytes_per_ms = float(512 * KiB)
+        steps = run_steps(engine, model, x, 3)
+    assert planner.profile is not None and planner.profile.link_share == 1.0
+    assert "waited" not in caplog.text
+    assert planner.plan == before
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
