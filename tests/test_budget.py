@@ -1689,3 +1689,17 @@ def test_a_replans_measuring_step_is_not_taken_for_a_step_of_the_plan_it_arrives
     assert planner.plan == before
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
+
+
+@pytest.mark.parametrize("value", [1.5, True, "2", None])
+def test_replan_refuses_a_measuring_step_count_that_is_not_an_int_naming_it(value: Any) -> None:
+    """``replan(measuring_steps=1.5)`` measured two steps (1.5 counted down to 0.5), ``True`` one; neither is a count.
+    Refused like 0, quoting the value, with the planner left as it was (no step dropped, nothing to measure)."""
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    with pytest.raises(ValueError, match=rf"replan\(measuring_steps={value!r}\): expected an int >= 1"):
+        engine.replan(measuring_steps=value)
+    assert planner.profile is not None and not run_steps(engine, model, x, 1)[0]["hooked"]  # still planned
