@@ -1703,3 +1703,67 @@ def test_replan_refuses_a_measuring_step_count_that_is_not_an_int_naming_it(valu
     with pytest.raises(ValueError, match=rf"replan\(measuring_steps={value!r}\): expected an int >= 1"):
         engine.replan(measuring_steps=value)
     assert planner.profile is not None and not run_steps(engine, model, x, 1)[0]["hooked"]  # still planned
+
+
+def announced_steps(engine: OffloadEngine, model: Stack, inputs: list[torch.Tensor]) -> list[bool]:
+    """Train a step per input, announcing each with :meth:`OffloadEngine.next_input` (as the callback does); per
+    step, whether it measured. Every step's gradients are checked against training without offloading."""
+    measuring = []
+    for x in inputs:
+        engine.next_input({"input_ids": x})
+        model.zero_grad(set_to_none=True)
+        with engine:
+            measuring.append(engine.planner.measuring)  # type: ignore[union-attr]
+            loss = model(x)
+        loss.backward()
+        assert_same_grads({n: p.grad.clone() for n, p in model.named_parameters()}, reference_grads(x))
+    return measuring
+
+
+def test_a_smaller_input_runs_the_measured_inputs_plan_and_a_larger_one_is_measured() -> None:
+    """Inputs padded to each batch's longest sequence change shape at every step: each is measured only where it is
+    larger than the input measured (one dimension suffices); one nowhere larger runs that input's plan, which fits it
+    (a smaller input saves less), and a later smaller input compares with the larger one measured last."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    _, model, _, engine = planned_stack(
+        act * 2, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    small, large = x[: BATCH // 2], torch.randn(2 * BATCH, WIDTH)
+    measuring = announced_steps(engine, model, [x, x, small, x, small[:3], large, x, small, large])
+    assert measuring == [True, True, False, False, False, True, False, False, False]
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.plan.offload_bytes > 0
+
+
+def test_a_smaller_input_in_a_measuring_step_is_measured_again() -> None:
+    """A smaller input arriving while the measured input's steps are still being measured runs as a measuring step
+    (the most frugal there is), but its numbers are not the measured input's: the next step measures again."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    _, model, _, engine = planned_stack(
+        act * 2, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    measuring = announced_steps(engine, model, [x, x[:5], x, x])
+    assert measuring == [True, True, True, False]
+
+
+def test_a_smaller_inputs_faster_forward_teaches_the_planner_nothing() -> None:
+    """A smaller input's forward computes faster than the measured input's: read as the plan's pace, it would lower
+    the profile's forward time (and every plan priced on it). Its step runs the plan and is not counted."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    _, model, _, engine = planned_stack(
+        act * 2, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    announced_steps(engine, model, [x, x, x])
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None
+    forward_ms = planner.profile.forward_ms
+    for block in model.blocks:
+        block.sim = None  # the blocks compute in no simulated time: a much faster forward
+    announced_steps(engine, model, [x[: BATCH // 4]])
+    for block in model.blocks:
+        block.sim = model.sim
+    assert announced_steps(engine, model, [x]) == [False]  # the smaller step ended as this one began
+    assert planner.profile.forward_ms == forward_ms
