@@ -311,15 +311,18 @@ class OffloadEngine:
             log.add(copy, key)
             stats.eligible_bytes += copy.nbytes
             if off:
-                # Count only (each storage span once): the record lives until forward ends, for dedup.
+                # Count only (each storage span once): the record lives until forward ends, for dedup, without holding
+                # the tensor (it weakly references the storage and root, which keep their identities unique), so a
+                # tensor whose graph is dropped in forward is freed at once, as without the engine.
                 copy.state = State.RESIDENT
+                copy.alias = None
                 self._counted.append(copy)
                 return _keep(tensor)
             view = SavedView(copy, tensor, start, copy.end_pos - copy.nbytes, primary=True)
             if stays:
                 outbound.keep_resident(copy, stats)
             else:
-                outbound.pending.append(copy)
+                outbound.pending.append(weakref.ref(copy))
             # Also where this copy stays: each save is where the way out lets go of the sources whose copies are done
             # (skipping it past the limit kept them allocated to the end of forward, past what plans count).
             outbound.send_decided(log, stats)

@@ -64,7 +64,9 @@ class OutboundQueue:
         self._pool = pool
         self._host_limit = host_limit
         self._warned_host_full = False
-        self.pending: deque[StorageCopy] = deque()
+        # Weak: a saved tensor whose graph is dropped while it waits (a metric computed with grad enabled) is freed at
+        # once, as without offloading, instead of held to the end of forward and then copied out for nothing.
+        self.pending: deque[weakref.ref[StorageCopy]] = deque()
         self.inflight: deque[InFlight] = deque()
         self.inflight_bytes = 0
         self.forward_copies: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward
@@ -89,9 +91,11 @@ class OutboundQueue:
         return copies
 
     def keep_pending(self, stats: OffloadStats) -> None:
-        """Everything pending stays on the device."""
-        for copy in self.pending:
-            self.keep_resident(copy, stats)
+        """Everything pending (and still saved by a live graph) stays on the device."""
+        for ref in self.pending:
+            copy = ref()
+            if copy is not None:
+                self.keep_resident(copy, stats)
         self.pending.clear()
 
     def send_decided(self, log: SaveLog, stats: OffloadStats) -> None:
@@ -154,7 +158,10 @@ class OutboundQueue:
         cutoff = forward_start + previous_total - self.tail if previous_total is not None else -1
         pending = self.pending
         while pending:
-            copy = pending[0]
+            copy = pending[0]()
+            if copy is None:  # its graph was dropped: nothing will ever read it
+                pending.popleft()
+                continue
             if self.beyond_limit(copy.end_pos - forward_start):
                 # Only the first ``limit`` bytes of a forward leave: the earliest tensors have the most compute to
                 # hide their copies behind, both ways.

@@ -590,6 +590,25 @@ def test_discarded_graph_is_freed(threshold: str) -> None:
     assert ref.expired(), "the dropped forward's saved output is still alive"
 
 
+@pytest.mark.parametrize(("mode", "tail"), [("off", 0), ("sync", 1 << 20), ("streamed", 1 << 20)])
+def test_a_saved_tensor_whose_graph_is_dropped_in_forward_is_freed_at_once(mode: str, tail: int) -> None:
+    """A saved tensor whose graph is dropped while forward goes on (a metric computed with grad enabled) is freed as
+    it is without offloading: not held to the end of forward by ``mode="off"``'s count, nor by the resident tail
+    while it waits for its fate (and then copied out for nothing)."""
+    engine = make_engine(mode=mode, resident_tail_bytes=tail)
+    x = torch.randn(256, requires_grad=True)
+    with engine:
+        h = torch.exp(x * 1.0)  # exp saves its output: kept by the graph of ``loss``
+        dropped = torch.tanh(h * 2.0)  # tanh saves its output; this graph piece is dropped below
+        ref = StorageWeakRef(dropped.untyped_storage())
+        del dropped
+        assert ref.expired(), "a saved tensor whose graph was dropped is still held"
+        loss = h.sum()
+    loss.backward()
+    assert torch.equal(x.grad, torch.exp(x.detach()))
+    assert engine.stats.offloaded_bytes == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_retain_graph_backward_twice(mode: str) -> None:
     """``backward(retain_graph=True)`` twice reads every offloaded tensor twice and gives the same grads
