@@ -227,6 +227,11 @@ class StreamedTransfer:
 
     def backward_started(self, saved_bytes: int) -> None:
         """Backward of a forward that saved ``saved_bytes`` begins: time it (unless one is being timed)."""
+        timed = self._backward
+        if timed is not None and timed.end is None:
+            # A backward whose end was never marked raised (autograd runs no final callback then; a forward cannot
+            # open, so no new backward can start, while one of ours runs): drop it, or it would end at this one's end.
+            self._backward = None
         self._read_backward_timing()
         if self._backward is None and saved_bytes:
             self._backward = TimedPass(

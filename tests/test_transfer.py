@@ -40,3 +40,19 @@ def test_a_sync_copy_out_waits_for_the_last_copy_on_its_reused_buffer() -> None:
     assert SyncTransfer().copy_out(copy, buffer, ready) is None
     sim.synchronize()  # on a GPU the copy stream runs when it gets there, whatever the host did meanwhile
     assert torch.equal(buffer, saved)
+
+
+def test_a_backward_that_raised_is_not_timed_into_the_next_one() -> None:
+    """A backward that raises never reaches autograd's final callback (its end is never marked): the next backward
+    is timed from its own start, not from the failed one's (which would count the optimizer, the next forward and
+    whatever ran between them as backward compute, and halve the link model's backward pace)."""
+    sim = SimulatedStreams(lag=0)
+    transfer = StreamedTransfer(sim, measure_copies=False)
+    transfer.backward_started(1 << 20)
+    sim.advance(2.0)  # the failed backward ran this far, then raised: no backward_ended
+    sim.advance(100.0)  # the user skipped the batch: the next forward and more
+    transfer.backward_started(1 << 20)
+    sim.advance(3.0)
+    transfer.backward_ended()
+    assert transfer.backward_ms() == pytest.approx(3.0)
+    assert transfer.link.backward_ratio == pytest.approx((1 << 20) / 3.0 / transfer.link_rate)
