@@ -77,6 +77,8 @@ class OffloadEngine:
         self._model_ref = weakref.ref(model) if model is not None else None
         self._params = policy.ParameterStorages()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        # Between install and uninstall, also where a plan keeps everything and no hooks are installed.
+        self._active = False
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
@@ -100,11 +102,12 @@ class OffloadEngine:
 
     @property
     def installed(self) -> bool:
+        """Whether the hooks are installed (not in a step whose plan keeps everything, which installs none)."""
         return self._hooks is not None
 
     def install(self) -> None:
         """Start a step: tensors saved from now on go through the hooks."""
-        if self._hooks is not None:
+        if self._active:
             raise RuntimeError("offload_activations(): this engine is already active; enter it once at a time")
         self._end_forward()  # a forward that never got its backward ends here, and counts in its own step
         if self._device is None:
@@ -121,6 +124,7 @@ class OffloadEngine:
         self._allocations_at_start = self._pool.allocations
         self._log.start_step()
         if plan_limit == 0:
+            self._active = True
             return  # the plan keeps everything: no hooks, no cost
         # A measuring step offloads past its watermark (and switches then); one that offloads from its first saved
         # tensor (under a budget the user gave) switches before it allocates anything.
@@ -133,10 +137,12 @@ class OffloadEngine:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._hooks = hooks
+        self._active = True
 
     def uninstall(self) -> None:
         """Remove the hooks (idempotent). Tensors already saved can still be unpacked."""
         hooks, self._hooks = self._hooks, None
+        self._active = False
         if hooks is not None:
             hooks.__exit__(None, None, None)
         if self._outbound is not None:

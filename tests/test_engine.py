@@ -1008,6 +1008,28 @@ def test_engine_cannot_be_entered_twice_at_once() -> None:
     loss.backward()
 
 
+def test_engine_cannot_be_entered_twice_in_a_step_whose_plan_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a memory-budget plan that keeps everything no hooks are installed, yet the engine is active: entering it
+    again raises as it does otherwise, and begins no second planner step inside the first."""
+    from tests.test_budget import BATCH, WIDTH, GiB, MiB, planned_stack, run_steps
+
+    _, model, _, engine = planned_stack(3 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    assert run_steps(engine, model, x, 3)[-1]["hooked"] is False  # the plan keeps everything
+    planner = engine.planner
+    assert planner is not None
+    begun: list[object] = []
+    begin_step = planner.begin_step
+    monkeypatch.setattr(planner, "begin_step", lambda *args: begun.append(args) or begin_step(*args))
+    with engine:
+        assert not engine.installed
+        with pytest.raises(RuntimeError, match="already active"), engine:
+            pass
+        loss = model(x)
+    assert len(begun) == 1
+    loss.backward()
+
+
 def test_engine_reusable_across_many_steps(cpu_pool: HostPool) -> None:
     """One engine entered step after step keeps exact grads, allocates host buffers only in the first step, and
     holds no host memory between steps."""
