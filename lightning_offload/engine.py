@@ -255,7 +255,13 @@ class OffloadEngine:
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when
-        the optimizer is new too (it allocates its state in its first step)."""
+        the optimizer is new too (it allocates its state in its first step).
+
+        Raises:
+            ValueError: ``measuring_steps`` is not a positive int (also without a planner, where the call does nothing).
+        """
+        if isinstance(measuring_steps, bool) or not isinstance(measuring_steps, int) or measuring_steps < 1:
+            raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
         if self.planner is not None:
             self.planner.replan(measuring_steps)
 

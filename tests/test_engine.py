@@ -1030,6 +1030,24 @@ def test_engine_cannot_be_entered_twice_in_a_step_whose_plan_keeps_everything(mo
     loss.backward()
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["no_planner", "planner"])
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True, "2"])
+def test_replan_refuses_a_step_count_that_is_not_a_positive_int(planned: bool, steps: Any) -> None:
+    """``replan(measuring_steps=...)`` takes a positive int: anything else raises naming the argument, with or without
+    a memory-budget planner (without one it would otherwise be accepted and ignored), and changes nothing."""
+    if planned:
+        from tests.test_budget import GiB, MiB, planned_stack
+
+        engine = planned_stack(3 * GiB, base=GiB, transient=MiB)[3]
+        with engine:  # the device (and the planner) are resolved at the first step
+            pass
+        assert engine.planner is not None
+    else:
+        engine = make_engine()
+    with pytest.raises(ValueError, match=re.escape(f"replan(measuring_steps={steps!r}): expected an int")):
+        engine.replan(measuring_steps=steps)
+
+
 def test_engine_reusable_across_many_steps(cpu_pool: HostPool) -> None:
     """One engine entered step after step keeps exact grads, allocates host buffers only in the first step, and
     holds no host memory between steps."""
