@@ -18,9 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -98,13 +99,18 @@ class _CheckpointedForward:
         # go in as inputs, which checkpointing saves, where an enclosing ``offload_activations`` sees them (held by
         # reference, they would stay on the device).
         activations = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]
-        selective = {"context_fn": selective_contexts} if self.recompute == "elementwise" else {}
+        selective = self.recompute == "elementwise"
+        options: dict[str, Any] = {"context_fn": selective_contexts} if selective else {}
+        # A forward that updates buffers (a BatchNorm's running statistics) would update them again in the recompute.
+        # Left to the compiler when compiling: it accepts only dispatch modes as checkpoint contexts.
+        if not torch.compiler.is_compiling() and any(True for _ in self.module.buffers()):
+            options["context_fn"] = functools.partial(_BufferGuard(self.module).contexts, selective)
         return checkpoint(
             _KeywordCall(forward, kwargs, activations, len(args)),
             *args,
             *(kwargs[key] for key in activations),
             use_reentrant=False,
-            **selective,
+            **options,
         )
 
 
@@ -119,6 +125,63 @@ class _KeywordCall:
     def __call__(self, *args: Any) -> Any:
         named = dict(zip(self.keys, args[self.positional :], strict=True))
         return self.forward(*args[: self.positional], **self.others, **named)
+
+
+class _BufferGuard:
+    """Checkpoint contexts (``context_fn``) that keep a recompute from updating the buffers its forward updated.
+
+    One guards one checkpointed call of ``module``. Its forward context notes which buffers the forward changed
+    (wrote in place or replaced); its recompute context, entered around the recompute in backward (outside the
+    selective-checkpointing one, whose recompute must see only the forward's operations), keeps those buffers as they
+    are and puts them back afterwards, also when torch stops the recompute early. So running statistics and step counts
+    advance once per forward, as without checkpointing.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.updated: list[str] = []
+
+    def contexts(self, selective: bool) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        forward, recompute = selective_contexts() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+        return self._forward(forward), self._recompute(recompute)
+
+    @contextlib.contextmanager
+    def _forward(self, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+        before = _buffer_states(self.module)
+        with inner:
+            yield
+        after = _buffer_states(self.module)
+        # BatchNorm writes its running mean and variance without bumping their version counters (its operator does
+        # not declare them written), only that of its batch count: a module that changed one of its own buffers counts
+        # as having changed them all.
+        owners = {name.rpartition(".")[0] for name, state in after.items() if not _same_state(before.get(name), state)}
+        self.updated = [name for name in after if name.rpartition(".")[0] in owners]
+
+    @contextlib.contextmanager
+    def _recompute(self, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+        buffers = dict(self.module.named_buffers())
+        # The buffer objects as they are now, and their values: the recompute may replace them or write into them.
+        kept = {name: (buffers[name], buffers[name].detach().clone()) for name in self.updated if name in buffers}
+        try:
+            with inner:
+                yield
+        finally:
+            for name, (buffer, value) in kept.items():
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.module.get_submodule(owner_name)
+                if owner._buffers.get(attr) is not buffer:
+                    owner._buffers[attr] = buffer
+                with torch.no_grad():
+                    buffer.copy_(value)
+
+
+def _buffer_states(module: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each buffer of ``module`` by qualified name: the tensor and its version counter (bumped by in-place writes)."""
+    return {name: (buffer, buffer._version) for name, buffer in module.named_buffers()}
+
+
+def _same_state(before: tuple[torch.Tensor, int] | None, after: tuple[torch.Tensor, int]) -> bool:
+    return before is not None and before[0] is after[0] and before[1] == after[1]
 
 
 def _drop_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

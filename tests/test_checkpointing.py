@@ -408,3 +408,37 @@ def test_an_activation_passed_by_keyword_is_saved_where_the_offload_engine_sees_
     for name, param in wrapped.named_parameters():
         assert torch.equal(param.grad, dict(plain.named_parameters())[name].grad), name
     remove_checkpointing(wrapped)
+
+
+class NormBlock(nn.Module):
+    """A block whose forward updates buffers: a BatchNorm's running statistics, and a step count it reassigns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1  # a new tensor, not an in-place update
+        return x + self.bn(self.lin(x)).relu()
+
+
+@pytest.mark.parametrize("recompute", ["all", "elementwise"])
+def test_recompute_does_not_update_buffers_a_second_time(recompute: str) -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.ModuleList([NormBlock() for _ in range(2)]))
+    model = copy.deepcopy(reference)
+    apply_checkpointing(model, recompute=recompute)
+    x = torch.randn(4, 8)
+    for net in (reference, model):
+        for _ in range(2):
+            h = x
+            for block in net[0]:
+                h = block(h)
+            h.sum().backward()
+    assert reference[0][0].bn.num_batches_tracked.item() == 2
+    for (name, expected), (_, got) in zip(reference.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(expected, got), name
+    for (name, expected), (_, got) in zip(reference.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(expected.grad, got.grad), name
