@@ -316,8 +316,20 @@ def wrap_blocks(model: nn.Module, names: Iterable[str], recompute: str = "all") 
 
     The names are looked up as they are, not selected again: ``""`` (the model itself) is a valid name here but not
     a selector, and a qualified name could also equal some class's name.
+
+    Raises:
+        ValueError: a name is not a qualified name of a module of ``model``, or ``recompute`` is not one of
+            :data:`RECOMPUTE`; nothing is wrapped then.
     """
+    names = list(names)
+    check_recompute(recompute, f"wrap_blocks(recompute={recompute!r})")
     modules = dict(model.named_modules())
+    unknown = [name for name in names if name not in modules]
+    if unknown:
+        raise ValueError(
+            f"wrap_blocks(names={unknown!r}): names must be qualified names of modules of {type(model).__name__} "
+            "(as select_blocks returns them)"
+        )
     for name in names:
         _wrap(modules[name], recompute)
 

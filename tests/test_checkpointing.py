@@ -442,3 +442,13 @@ def test_recompute_does_not_update_buffers_a_second_time(recompute: str) -> None
         assert torch.equal(expected, got), name
     for (name, expected), (_, got) in zip(reference.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(expected.grad, got.grad), name
+
+
+def test_wrap_blocks_refuses_unknown_names_and_recompute_values_wrapping_nothing(toy: Toy) -> None:
+    from lightning_offload.checkpointing import wrap_blocks
+
+    with pytest.raises(ValueError, match=r"wrap_blocks\(names=.*'nope'.*\): .*qualified names of modules of Toy"):
+        wrap_blocks(toy, ["layers.0", "nope"])
+    with pytest.raises(ValueError, match=r"wrap_blocks\(recompute='some'\): recompute must be one of 'all', 'elem"):
+        wrap_blocks(toy, ["layers.0"], "some")
+    assert checkpointed_modules(toy) == []
