@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import jsonargparse
 from jsonargparse import Namespace
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -25,6 +26,10 @@ from lightning_offload.callback import ActivationOffloadCallback
 __all__ = ["OffloadCLI"]
 
 GROUP = "offload"
+
+# jsonargparse's private keyword for parsing without validating: ``_skip_check`` until 4.35, ``_skip_validation`` since.
+_JSONARGPARSE = tuple(int(part) for part in jsonargparse.__version__.split(".")[:2])
+_SKIP_VALIDATION = {"_skip_validation" if _JSONARGPARSE >= (4, 35) else "_skip_check": True}
 
 
 class OffloadCLI(LightningCLI):
@@ -58,11 +63,13 @@ class OffloadCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         super().parse_arguments(parser, args)
         # Parsed again without defaults: what the user gave, so that a given value wins over a listed callback's
-        # even when it equals the default (``--offload.mode=streamed`` over a YAML ``mode: sync``).
+        # even when it equals the default (``--offload.mode=streamed`` over a YAML ``mode: sync``). Not validated:
+        # the full parse above did that, and without defaults a required argument that only a default config file
+        # gives (``parser_kwargs={"default_config_files": ...}``) would read as missing.
         if isinstance(args, (dict, Namespace)):
-            given = parser.parse_object(args, defaults=False)
+            given = parser.parse_object(args, defaults=False, **_SKIP_VALIDATION)
         else:
-            given = parser.parse_args(args, defaults=False)
+            given = parser.parse_args(args, defaults=False, **_SKIP_VALIDATION)
         subcommand = self.config.get("subcommand")
         scope = given.get(subcommand) if subcommand else given
         group = scope.get(GROUP) if scope is not None else None

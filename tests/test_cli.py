@@ -317,3 +317,30 @@ def test_offload_flags_win_under_a_subcommand(tmp_path: Path) -> None:
     (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
     assert callback.options.mode == "sync" and callback.options.compute_device == torch.device("cpu")
     assert callback.stats.offloaded_bytes > 0  # it trained, offloading
+
+
+class WidthModel(BoringModel):
+    """A model with a required argument, as most real models have."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+
+def test_offload_cli_takes_required_arguments_from_default_config_files(tmp_path: Path) -> None:
+    """LightningCLI fills required arguments from ``default_config_files``; OffloadCLI must too, under the plain
+    parser and under a subcommand's."""
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(yaml.safe_dump({"model": {"width": 3}, "trainer": {"default_root_dir": str(tmp_path)}}))
+    args = ["--offload.mode=sync"]
+    cli = OffloadCLI(
+        WidthModel, BoringDataModule, run=False, args=args, parser_kwargs={"default_config_files": [defaults]}
+    )
+    assert cli.model.width == 3
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+    assert callback.options.mode == "sync"
+    args = ["fit", "--offload.mode=off", "--trainer.max_steps=1", "--trainer.logger=false"]
+    cli = OffloadCLI(
+        WidthModel, BoringDataModule, args=args, parser_kwargs={"fit": {"default_config_files": [defaults]}}
+    )
+    assert cli.model.width == 3 and cli.trainer.global_step == 1
