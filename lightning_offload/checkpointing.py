@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from lightning_offload.recompute_policy import selective_contexts
@@ -105,10 +106,16 @@ class _CheckpointedForward:
         # Left to the compiler when compiling: it accepts only dispatch modes as checkpoint contexts.
         if not torch.compiler.is_compiling() and any(True for _ in self.module.buffers()):
             options["context_fn"] = functools.partial(_BufferGuard(self.module).contexts, selective)
+        inputs = [*args, *(kwargs[key] for key in activations)]
+        # Checkpointing restores the random state (dropout's masks) only of the devices its tensor inputs are on: a
+        # block called with keywords alone, none needing a gradient (the first block's attention part under LoRA, whose
+        # embedding and norm are frozen), would recompute with other masks than its forward's, and its gradients would
+        # be silently wrong. An empty tensor on each device only the by-reference keywords are on goes in too.
+        markers = _device_markers(inputs, [value for key, value in kwargs.items() if key not in activations])
         return checkpoint(
-            _KeywordCall(forward, kwargs, activations, len(args)),
-            *args,
-            *(kwargs[key] for key in activations),
+            _KeywordCall(forward, kwargs, activations, len(args), len(markers)),
+            *inputs,
+            *markers,
             use_reentrant=False,
             **options,
         )
@@ -118,13 +125,29 @@ class _KeywordCall:
     """Calls ``forward`` with the positional arguments it is given, the last of which are the keyword arguments named
     ``keys`` (activations that checkpointing must save), and the other keyword arguments by reference."""
 
-    def __init__(self, forward: Any, kwargs: dict[str, Any], keys: list[str], positional: int) -> None:
-        self.forward, self.keys, self.positional = forward, keys, positional
+    def __init__(
+        self, forward: Any, kwargs: dict[str, Any], keys: list[str], positional: int, markers: int = 0
+    ) -> None:
+        self.forward, self.keys, self.positional, self.markers = forward, keys, positional, markers
         self.others = {key: value for key, value in kwargs.items() if key not in keys}
 
     def __call__(self, *args: Any) -> Any:
+        if self.markers:
+            args = args[: -self.markers]  # the devices' markers (see _device_markers): no argument of the forward
         named = dict(zip(self.keys, args[self.positional :], strict=True))
         return self.forward(*args[: self.positional], **self.others, **named)
+
+
+def _device_markers(inputs: list[Any], by_reference: list[Any]) -> list[torch.Tensor]:
+    """An empty tensor on each accelerator that tensors among ``by_reference`` are on and none among ``inputs``: as
+    inputs of ``checkpoint`` they make it save and restore those devices' random states."""
+
+    def devices(values: list[Any]) -> dict[torch.device, None]:
+        found = (leaf.device for leaf in tree_leaves(values) if isinstance(leaf, torch.Tensor))
+        return dict.fromkeys(device for device in found if device.type not in ("cpu", "meta"))
+
+    covered = devices(inputs)
+    return [torch.empty(0, device=device) for device in devices(by_reference) if device not in covered]
 
 
 class _BufferGuard:

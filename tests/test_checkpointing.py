@@ -452,3 +452,53 @@ def test_wrap_blocks_refuses_unknown_names_and_recompute_values_wrapping_nothing
     with pytest.raises(ValueError, match=r"wrap_blocks\(recompute='some'\): recompute must be one of 'all', 'elem"):
         wrap_blocks(toy, ["layers.0"], "some")
     assert checkpointed_modules(toy) == []
+
+
+class KeywordPart(nn.Module):
+    """An attention part as a decoder layer calls it: ``part(hidden_states=...)``, keywords only, with a LoRA-like
+    trainable branch behind dropout beside a frozen projection."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.adapter = nn.Linear(width, width)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.frozen(hidden_states) + self.adapter(self.dropout(hidden_states))
+
+
+class FrozenEmbeddingParts(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width).requires_grad_(False)
+        self.parts = nn.ModuleList(KeywordPart(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)  # needs no gradient: the first part's only input does not either
+        for part in self.parts:
+            hidden = part(hidden_states=hidden)
+        return hidden.square().mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dropout_recomputes_its_forward_masks_on_the_gpu_for_a_block_called_with_keywords_alone() -> None:
+    """Checkpointing restores the random state only of devices its tensor inputs are on. A block called with keyword
+    arguments alone, none needing a gradient (the first attention part under LoRA, its embedding frozen), passes no
+    tensor in: the recompute drew other dropout masks on the GPU and the adapter's gradients were silently wrong."""
+
+    def grads(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = FrozenEmbeddingParts().cuda()
+        if checkpointed:
+            apply_checkpointing(model, "parts")
+        x = torch.randn(8, 64, device="cuda")
+        torch.cuda.manual_seed(1)
+        model(x).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and "parts.0.adapter.weight" in plain
+    for name, grad in plain.items():
+        assert torch.equal(grad, checkpointed[name]), name
