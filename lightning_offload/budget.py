@@ -164,9 +164,6 @@ class BudgetPlanner:
         # The latest planned step whose forward computed slow, and by how much (see forward_computed).
         self._slow_forward: tuple[int, float] | None = None
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
-        # Steps whose input was smaller than the one the profile was measured at (lighter_input): they teach nothing.
-        self._lighter_steps: set[int] = set()
-        self._lighter_next = False
         self._plan_since: int | None = None  # the first step that ran the current plan
         self.forward_peak = 0  # the latest step's peak when its backward began (forward's, the loss's included)
         # The latest step's backward as it left the head (the loss's and the head's saved bytes, run first): the head's
@@ -314,20 +311,10 @@ class BudgetPlanner:
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
         self._plan_since = None
         self._slow_forward = None
-        self._lighter_next = False
         self._measure_left = max(self._measure_left, measuring_steps)
         self._trials.reset()
         self._full_block = None  # a new input shape saves other bytes per block
         self._settling = self._release_cache = False
-
-    def lighter_input(self) -> None:
-        """The next step's input is nowhere larger than the one the profile was (or is being) measured at: a shorter
-        sequence, a smaller batch. It runs what a step of the measured input would (the plan, or a measuring step,
-        which is then measured again), since its peak can only be lower; its peak and timings teach nothing (its
-        shorter forward would read as faster compute, its trial step as a faster plan), except a peak past the budget,
-        which corrects the plan towards memory as any step's does. Inputs whose length changes every step (padding to
-        the longest in each batch) are then measured once per new longest input, not at every step."""
-        self._lighter_next = True
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
@@ -352,11 +339,6 @@ class BudgetPlanner:
         if self._trials.trying:  # a plan under trial notes whether its steps flush the allocator's cache
             self._retries_at_start = self._counter("alloc_retries")
         self.step += 1
-        if self._lighter_next:
-            self._lighter_next = False
-            self._lighter_steps.add(self.step)
-            if len(self._lighter_steps) > 64:
-                self._lighter_steps = set(sorted(self._lighter_steps)[-32:])
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
             if self._plan_since is None:
@@ -447,14 +429,7 @@ class BudgetPlanner:
         # The peak noted when backward finished, or read now: a caller may reset the counters between steps (a
         # benchmark, a logger), and the optimizer may allocate its state after backward.
         peak, self._backward_peak = max(self._backward_peak, self.memory.peak()), 0
-        lighter = self.step in self._lighter_steps
-        if self._measuring and lighter:
-            # Not the measured input's numbers: measured again, as a measuring step that raised would be.
-            self._measuring = False
-            self.watermark = None
-            self._blocks.unwatch()
-            self.tripped = self.tripped or self._frugal
-        elif self._measuring:
+        if self._measuring:
             self._measuring = False
             self._measure_left -= 1
             self.watermark = None
@@ -473,8 +448,7 @@ class BudgetPlanner:
             trying = self._trials.trying  # this step timed a plan (the trials may end as it is counted)
             # (Each read of the allocator's counters costs a copy of all of them: only while plans are under trial.)
             flushed = self._trials.trying and self._counter("alloc_retries") > self._retries_at_start
-            pinned = self.step in self._pinning_steps
-            timed = not lighter and self._trials.count(plan, step_ms, pinned=pinned, flushed=flushed)
+            timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed
             # block rebuilt in backward, copies in flight and fetched ahead), so a step that peaked where predicted
@@ -498,8 +472,6 @@ class BudgetPlanner:
             if heavier > 0:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
                 self._choose(memory=True)
-                return
-            if lighter:
                 return
             if self._settling and not trying:  # (counting a step never starts trials: only _choose does)
                 self._settling = False
@@ -698,8 +670,6 @@ class BudgetPlanner:
         per GiB on an H200)."""
         if self.plan is None or self.profile is None or self._plan_since is None or step < self._plan_since:
             return False
-        if step in self._lighter_steps:
-            return False  # a smaller input's forward is shorter and its copies fewer: not the plan's pace
         return step not in self._pinning_steps and self.plan.offload_bytes > 0
 
     def forward_computed(self, step: int, compute_ms: float) -> None:

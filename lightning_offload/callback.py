@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,8 +41,7 @@ class ActivationOffloadCallback(Callback):
     ``on_exception`` and ``teardown``. Streams and the pinned pool are created lazily, so the callback pickles
     (``ddp_spawn``). With a memory budget (the default), the first batches are measured and a plan is chosen and
     reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
-    (``plan_trials``, reported too); a batch larger in some dimension than the one measured is measured again, a
-    smaller one runs the measured batch's plan.
+    (``plan_trials``, reported too); a batch whose tensors change shape is measured again.
 
     Example::
 
@@ -101,6 +101,7 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = True
         self._last_stats = OffloadStats()
         self._batch_started = False
+        self._shapes: tuple[Any, ...] | None = None  # the latest batch's tensor shapes: a change is planned anew
 
     @property
     def stats(self) -> OffloadStats:
@@ -153,6 +154,7 @@ class ActivationOffloadCallback(Callback):
         # LOCAL_WORLD_SIZE, so the count comes from the trainer.
         self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
         self._active = True
+        self._shapes = None
         self._reporter.start_fit(device)
 
     @override
@@ -191,7 +193,10 @@ class ActivationOffloadCallback(Callback):
         self._batch_started = True
         picture = self._picture
         self._plain_batch = picture is not None and not picture.offload_batch()
-        engine.next_input(batch)  # a larger input is measured again; a smaller one runs the measured input's plan
+        shapes = _shapes(batch)
+        if self._shapes is not None and shapes != self._shapes:
+            engine.replan()  # a new input shape: the plan of the old one may not fit, or may waste time
+        self._shapes = shapes
         if not engine.installed and not self._plain_batch:
             self._reporter.before_install(trainer, engine)
             engine.install()
@@ -305,6 +310,32 @@ class ActivationOffloadCallback(Callback):
 _doc = (ActivationOffloadCallback.__doc__ or "").replace(" " * 8 + "{options}", option_docs(8))
 _doc = _doc.replace(" " * 8 + "{picture}\n", PICTURE_OPTION_DOCS).replace(" " * 8 + "{checkpoint}\n", CHECKPOINT_DOCS)
 ActivationOffloadCallback.__doc__ = _doc.replace(" " * 4 + "{metrics}\n", METRIC_DOCS)
+
+
+def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensors in a batch: any nesting of mappings, sequences and dataclasses.
+
+    Walked by hand rather than with ``torch.utils._pytree``, which sees a ``Mapping`` that is no ``dict`` (Hugging
+    Face's ``BatchEncoding``, a ``UserDict``) or a dataclass as one opaque leaf: a new sequence length inside it
+    would go unnoticed and the old shape's plan would run on it.
+    """
+    shapes: list[tuple[int, ...]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            shapes.append(tuple(value.shape))
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            for item in value:
+                walk(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name))
+
+    walk(batch)
+    return tuple(shapes)
 
 
 def _require_trainer(trainer: Any, hook: str) -> None:

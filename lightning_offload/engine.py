@@ -36,7 +36,6 @@ from lightning_offload.copies import SavedView, State, StorageCopy, modified_err
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
-from lightning_offload.input_shapes import MeasuredInput, input_shapes
 from lightning_offload.options import OffloadOptions
 from lightning_offload.outbound import OutboundQueue
 from lightning_offload.savelog import SaveLog
@@ -82,7 +81,6 @@ class OffloadEngine:
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
-        self._measured_input = MeasuredInput()  # what next_input compares each step's input with
         self._settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
@@ -238,20 +236,6 @@ class OffloadEngine:
         are about to leave (an engine whose plan keeps everything leaves the allocator alone). Returns whether the
         allocator switched (and emptied its cache) here."""
         return self.options.mode != "off" and self._device is not None and use_expandable_segments(self._device)
-
-    def next_input(self, batch: Any) -> None:
-        """Say what the next step's input is (tensors in any nesting of mappings, sequences and dataclasses), before
-        the step begins. With a memory budget: an input larger than the measured one in some dimension (a longer
-        sequence), or made of other tensors, is measured again (:meth:`replan`); one nowhere larger runs the measured
-        input's plan and teaches the planner nothing (:meth:`BudgetPlanner.lighter_input`). The Lightning callback
-        calls it for every training batch; without a budget it does nothing."""
-        if self.planner is None:
-            return
-        change = self._measured_input.compare(input_shapes(batch))
-        if change == "new":
-            self.planner.replan()
-        elif change == "smaller":
-            self.planner.lighter_input()
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when

@@ -51,9 +51,8 @@ class OffloadOptions:
             compute), recompute the elementwise operations of some repeated blocks (their matrix products kept),
             checkpoint the fewest blocks needed, checkpoint all and offload the rest, and last checkpoint every block
             by its parts (one part rebuilt at a time in backward; their inputs offloaded). Blocks the model or the
-            user already checkpoints are left as they are (plans then only offload). A larger input (a longer
-            sequence) is measured again, a smaller one runs the measured input's plan (the callback notices; the
-            context manager's user calls ``next_input(batch)``).
+            user already checkpoints are left as they are (plans then only offload). A new input shape is measured
+            again (the callback notices; the context manager's user calls ``replan()``).
             ``"auto"``: the device's memory less a margin, so a model that fits pays nothing and one that does not
             is made to fit. ``None``: no planning; offload every eligible tensor (within ``max_offload_bytes``).
             Planning needs ``mode="streamed"`` and a CUDA device; ``max_offload_bytes`` or ``checkpoint=`` given

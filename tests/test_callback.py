@@ -1215,17 +1215,3 @@ def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
     fit(tmp_path, CollectionLit(offload=callback), data, [callback], max_steps=5)
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
-
-
-def test_a_smaller_batch_runs_the_plan_of_the_larger_one_measured(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Batches shorter than the one measured (the last of an epoch, or padded to a shorter longest sequence) are not
-    measured again: they run the measured batch's plan and log it; a longer one is measured."""
-    plan_on_cpu(monkeypatch)
-    callback = offload_callback(memory_budget="8GiB")
-    large = (2 * BATCH, WIDTH)
-    data = batches(3, shape=large) + batches(1) + batches(1, shape=large) + batches(1, shape=(4 * BATCH, WIDTH))
-    fit(tmp_path, LitNet(offload=callback), data, [callback], max_steps=6)
-    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
-    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, True, True, False]
