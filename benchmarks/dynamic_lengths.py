@@ -1,0 +1,103 @@
+"""Inputs whose length changes every step (padding to each batch's longest) under a memory budget, on one GPU.
+
+Arms: ``replan_every_change`` (what the callback does: ``replan()`` at every change of shape, so every step measures)
+and ``next_input`` (a smaller input runs the plan of the larger one measured; needs ``OffloadEngine.next_input`` of
+commit 481e20e, reverted after this measurement). The small-vocab capacity model, lengths drawn from 8192-16384 in
+steps of 512, a 6 GiB budget. Per step: whether it measured, whether a plan was under trial, GiB offloaded, new host
+buffers pinned, the plan. Run one arm per process (the host pool is the process's)::
+
+    python -m benchmarks.dynamic_lengths out.json replan_every_change
+"""
+
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.models import build
+from benchmarks.workloads import CAPACITY_MODELS
+from lightning_offload import offload_activations
+
+out, arms = sys.argv[1], sys.argv[2].split(",")
+device = torch.device("cuda")
+steps, low, high, budget = 24, 8192, 16384, "6GiB"
+rng = random.Random(0)
+lengths = [rng.randrange(low, high + 1, 512) for _ in range(steps)]
+bench = build(CAPACITY_MODELS["smallvocab-h1024"], device, max_seq=high)
+vocab = 256
+results = {"lengths": lengths, "budget": budget}
+for arm in arms:
+    torch.cuda.empty_cache()
+    model = bench.module
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    off = offload_activations(model=model, memory_budget=budget)
+    if arm == "next_input" and not hasattr(off, "next_input"):
+        sys.exit("the next_input arm needs OffloadEngine.next_input (commit 481e20e, reverted)")
+    measured, times, previous, info = [], [], None, []
+    torch.cuda.reset_peak_memory_stats()
+    for n in lengths:
+        ids = torch.randint(0, vocab, (1, n), device=device)
+        if arm == "next_input":
+            off.next_input(ids)  # type: ignore[attr-defined]
+        elif previous is not None and n != previous:
+            off.replan()
+        previous = n
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with off:
+            measured.append(bool(off.planner.measuring))
+            loss = bench.loss(ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        stats, planner = off.collect_stats(wait=True), off.planner
+        plan = planner.plan
+        info.append(
+            {
+                "trying": bool(planner.trying),
+                "offload_gib": round(stats.offloaded_bytes / 2**30, 2),
+                "new_host_buffers": stats.host_allocations,
+                "pinned_gib": round(stats.host_pinned_bytes / 2**30, 2),
+                "plan": None
+                if plan is None
+                else [plan.checkpoint_blocks, round(plan.offload_bytes / 2**30, 2), plan.split],
+            }
+        )
+    off.close()
+    del optimizer
+    later = times[4:]
+    results[arm] = {
+        "measuring_steps": sum(measured),
+        "measured": measured,
+        "info": info,
+        "step_s": times,
+        "total_s": sum(times),
+        "median_s_after_4": statistics.median(later),
+        "tokens_per_s": sum(lengths) / sum(times),
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+json.dump(results, open(out, "w"), indent=1)
+print(f"lengths {lengths}")
+print(f"{'arm':22s} measuring  total_s  median_s(>4)  tok/s   reserved/alloc GiB")
+for arm in arms:
+    r = results[arm]
+    print(
+        f"{arm:22s} {r['measuring_steps']:9d} {r['total_s']:8.2f} {r['median_s_after_4']:13.3f}"
+        f" {r['tokens_per_s']:6.0f}"
+        f"  {r['peak_reserved_gib']:.2f}/{r['peak_alloc_gib']:.2f}"
+    )
+for arm in arms:
+    print(arm)
+    r = results[arm]
+    for n, m, t, i in zip(lengths, r["measured"], r["step_s"], r["info"], strict=True):
+        flags = f"{'M' if m else ' '} {'T' if i['trying'] else ' '}"
+        print(
+            f"  {n:6d} {flags} {t:6.2f} s off {i['offload_gib']:5.2f} new {i['new_host_buffers']:3d}"
+            f" pinned {i['pinned_gib']:6.2f} plan {i['plan']}"
+        )
