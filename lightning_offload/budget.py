@@ -112,8 +112,16 @@ _WAIT_NOISE_SHARE = 0.05
 
 
 def default_budget(total: int) -> int:
-    """What the device can hold for training: its total memory less a margin."""
-    return total - max(_MIN_MARGIN, int(total * _MARGIN_SHARE))
+    """What the device can hold for training: ``total`` (what the process may use of the device's memory) less a
+    margin, at most half of it (``_MIN_MARGIN`` alone would leave nothing of a device of 3 GiB)."""
+    return total - min(max(_MIN_MARGIN, int(total * _MARGIN_SHARE)), total // 2)
+
+
+def process_capacity(memory: Any) -> int:
+    """What the process may use of the device's memory: :meth:`DeviceMemory.capacity` (the total under the process's
+    memory fraction), or the total where the counters cannot say."""
+    read = getattr(memory, "capacity", None)
+    return int(read()) if read is not None else int(memory.total())
 
 
 class BudgetPlanner:
@@ -141,7 +149,17 @@ class BudgetPlanner:
         trials: bool = True,
     ) -> None:
         self.memory = memory
-        self.budget = budget if budget is not None else default_budget(memory.total())
+        # A process capped with ``torch.cuda.set_per_process_memory_fraction`` (a shared GPU) may not use the device's
+        # total: the default budget is what it may use, and a budget above that is only ever met by out of memory.
+        capacity = process_capacity(memory)
+        self.budget = budget if budget is not None else default_budget(capacity)
+        if budget is not None and budget > capacity:
+            _log.warning(
+                "memory_budget=%.2f GiB is more than the %.2f GiB this process may use of the device (its total "
+                "memory, under the process's memory fraction): plans aim at memory there is not",
+                budget / GiB,
+                capacity / GiB,
+            )
         self._reserve = int(self.budget * _AUTO_RESERVE_SHARE)
         self.owns_peaks = owns_peaks
         self.plan: Plan | None = None

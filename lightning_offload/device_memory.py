@@ -79,6 +79,13 @@ class DeviceMemory:
     def total(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
 
+    def capacity(self) -> int:
+        """What the process may use of the device's memory: its total under the process's memory fraction
+        (``torch.cuda.set_per_process_memory_fraction``, where torch can say; 1.0 unless set)."""
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        share = fraction(self.device) if fraction is not None else 1.0
+        return int(self.total() * min(1.0, share))
+
     def allocated(self) -> int:
         return read_counters(self.device).allocated
 

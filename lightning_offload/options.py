@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any, Literal, get_args
 
 import torch
@@ -53,8 +55,9 @@ class OffloadOptions:
             by its parts (one part rebuilt at a time in backward; their inputs offloaded). Blocks the model or the
             user already checkpoints are left as they are (plans then only offload). A new input shape is measured
             again (the callback notices; the context manager's user calls ``replan()``).
-            ``"auto"``: the device's memory less a margin, so a model that fits pays nothing and one that does not
-            is made to fit. ``None``: no planning; offload every eligible tensor (within ``max_offload_bytes``).
+            ``"auto"``: what the process may use of the device's memory (under its memory fraction, where set)
+            less a margin, so a model that fits pays nothing and one that does not is made to fit. ``None``: no
+            planning; offload every eligible tensor (within ``max_offload_bytes``).
             Planning needs ``mode="streamed"`` and a CUDA device; ``max_offload_bytes`` or ``checkpoint=`` given
             by hand switch it off (they are the manual overrides).
         compute_device: the device whose tensors are offloaded. ``None``: the current CUDA device (for the callback:
@@ -193,17 +196,21 @@ def parse_budget(caller: str, value: Any) -> int | str | None:
     """``memory_budget`` as bytes, ``"auto"`` or ``None``; strings such as ``"40GiB"``, ``"512 MiB"``, ``"80GB"``."""
     if value is None or value == "auto":
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+    # Any integer type (numpy's too), but not a bool.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
+        return int(value)
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS:
-            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-            if size > 0:  # a fraction of a byte ("0.4") rounds down to a budget of 0, which no step fits
+        match = re.fullmatch(r"\s*([0-9]+)(\.[0-9]+)?\s*([a-zA-Z]*)\s*", value)
+        # Bytes come whole: "1.5" without a unit (meant as GiB?) would otherwise be a budget of 1 byte.
+        unit = match.group(3).lower() if match else None
+        if match and unit in _UNITS and not (match.group(2) and _UNITS[unit] == 1):
+            # Digits and unit multiplied exactly: through a float, 400 digits overflow, and 1.1 GB loses a byte.
+            size = int(Fraction(match.group(1) + (match.group(2) or "")) * _UNITS[unit])
+            if size > 0:  # a fraction of a byte ("0.4kb" is 400 bytes, but "0.0001kb" rounds to 0): no step fits 0
                 return size
     raise ValueError(
-        f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, a byte count > 0 or a size such "
-        "as '40GiB', '512MiB' or '80GB'"
+        f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, a whole byte count > 0 or a size "
+        "such as '40GiB', '1.5GiB', '512MiB' or '80GB'"
     )
 
 

@@ -1270,6 +1270,31 @@ def test_under_a_users_budget_the_measuring_steps_checkpoint_every_block_and_off
 def test_default_budget_leaves_a_margin() -> None:
     assert default_budget(140 * GiB) == 140 * GiB - int(140 * GiB * 0.08)
     assert default_budget(16 * GiB) == 13 * GiB
+    assert default_budget(2 * GiB) == GiB  # the 3 GiB margin would leave a negative budget: half of it instead
+
+
+class CappedMemory(FakeMemory):
+    """A process allowed half of a 100 GiB device (``torch.cuda.set_per_process_memory_fraction(0.5)``)."""
+
+    def capacity(self) -> int:
+        return self.total() // 2
+
+
+def test_the_default_budget_is_what_the_process_may_use_under_its_memory_fraction() -> None:
+    """On a shared GPU capped at half of its memory, the default budget is that half less a margin: the device's
+    total would let plans keep activations the cap cannot hold."""
+    assert BudgetPlanner(None, CappedMemory(base=GiB, transient=0)).budget == default_budget(50 * GiB)
+
+
+def test_a_budget_above_what_the_process_may_use_is_a_warning_naming_both(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="lightning_offload"):
+        planner = BudgetPlanner(60 * GiB, CappedMemory(base=GiB, transient=0))
+    assert planner.budget == 60 * GiB  # the user's figure stands: said, not replaced
+    assert "memory_budget=60.00 GiB is more than the 50.00 GiB this process may use" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_offload"):
+        BudgetPlanner(40 * GiB, CappedMemory(base=GiB, transient=0))
+    assert "more than" not in caplog.text
 
 
 def test_planning_is_off_for_manual_overrides_and_without_device_memory() -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadEngine, OffloadOptions
-from lightning_offload.device_memory import SettledCache, cache_worth_emptying
+from lightning_offload.device_memory import DeviceMemory, SettledCache, cache_worth_emptying
 
 GiB = 1 << 30
 
@@ -191,3 +191,16 @@ def test_a_closed_engine_stops_listening_to_optimizer_steps() -> None:
         loss = model(torch.randn(8, 64)).sum()
     loss.backward()
     assert memory.releases == 0
+
+
+def test_capacity_is_the_devices_total_under_the_process_memory_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read without a GPU: the device's total and the fraction torch reports (1.0 unless the process set one)."""
+
+    class Properties:
+        total_memory = 80 * (1 << 30)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.25, raising=False)
+    assert DeviceMemory(torch.device("cuda", 0)).capacity() == 20 * (1 << 30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert DeviceMemory(torch.device("cuda", 0)).capacity() == 80 * (1 << 30)

@@ -191,6 +191,24 @@ def test_memory_budget_rejects_a_size_that_rounds_to_zero_bytes_naming_the_argum
         offload_activations(memory_budget=value)
 
 
+@pytest.mark.parametrize("value", ["1.5", "1.5 B"])
+def test_memory_budget_rejects_a_fraction_of_a_byte_count_naming_the_argument(value: str) -> None:
+    """ "1.5" without a unit (GiB meant?) was a budget of 1 byte."""
+    with pytest.raises(ValueError, match=r"offload_activations\(memory_budget='.*'\): memory_budget must be 'auto'"):
+        offload_activations(memory_budget=value)
+
+
+def test_memory_budget_takes_any_integer_type_and_exact_decimal_sizes() -> None:
+    """A numpy integer is a byte count like an int; a decimal size is multiplied exactly (1.1 GB is 1100000000)."""
+    import numpy as np
+
+    assert OffloadOptions.create("t", memory_budget=np.int64(1 << 30)).memory_budget == 1 << 30
+    assert OffloadOptions.create("t", memory_budget="1.1GB").memory_budget == 1_100_000_000
+    assert OffloadOptions.create("t", memory_budget="0.4kb").memory_budget == 400
+    # 400 digits went through a float and raised OverflowError; read exactly, they are a (very large) byte count.
+    assert OffloadOptions.create("t", memory_budget="9" * 400).memory_budget == int("9" * 400)
+
+
 @pytest.mark.parametrize("value", [0, -1])
 def test_local_processes_rejects_a_count_below_one_naming_the_argument(value: int) -> None:
     """``local_processes=0`` or a negative count was accepted and silently replaced (by ``LOCAL_WORLD_SIZE`` or 1)."""
