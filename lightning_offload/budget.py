@@ -111,6 +111,9 @@ _WAIT_NOISE_MS = 10.0
 _WAIT_NOISE_SHARE = 0.05
 
 
+_CAPACITY_ROUNDING = 1 << 20
+
+
 def default_budget(total: int) -> int:
     """What the device can hold for training: ``total`` (what the process may use of the device's memory) less a
     margin, at most half of it (``_MIN_MARGIN`` alone would leave nothing of a device of 3 GiB)."""
@@ -153,7 +156,8 @@ class BudgetPlanner:
         # total: the default budget is what it may use, and a budget above that is only ever met by out of memory.
         capacity = process_capacity(memory)
         self.budget = budget if budget is not None else default_budget(capacity)
-        if budget is not None and budget > capacity:
+        # (With room for the rounding of a fraction set to give exactly the budget: a cap of 24 GiB read back.)
+        if budget is not None and budget > capacity + _CAPACITY_ROUNDING:
             _log.warning(
                 "memory_budget=%.2f GiB is more than the %.2f GiB this process may use of the device (its total "
                 "memory, under the process's memory fraction): plans aim at memory there is not",
