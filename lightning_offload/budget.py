@@ -120,11 +120,11 @@ def default_budget(total: int) -> int:
     return total - min(max(_MIN_MARGIN, int(total * _MARGIN_SHARE)), total // 2)
 
 
-def process_capacity(memory: Any) -> int:
+def process_capacity(memory: Any) -> int | None:
     """What the process may use of the device's memory: :meth:`DeviceMemory.capacity` (the total under the process's
-    memory fraction), or the total where the counters cannot say."""
-    read = getattr(memory, "capacity", None)
-    return int(read()) if read is not None else int(memory.total())
+    memory fraction), or the total where the counters cannot say that; ``None`` where they say neither."""
+    read = getattr(memory, "capacity", None) or getattr(memory, "total", None)
+    return int(read()) if read is not None else None
 
 
 class BudgetPlanner:
@@ -155,9 +155,13 @@ class BudgetPlanner:
         # A process capped with ``torch.cuda.set_per_process_memory_fraction`` (a shared GPU) may not use the device's
         # total: the default budget is what it may use, and a budget above that is only ever met by out of memory.
         capacity = process_capacity(memory)
-        self.budget = budget if budget is not None else default_budget(capacity)
+        if budget is None:
+            assert capacity is not None, "the default budget needs the device's memory (capacity() or total())"
+            self.budget = default_budget(capacity)
+        else:
+            self.budget = budget
         # (With room for the rounding of a fraction set to give exactly the budget: a cap of 24 GiB read back.)
-        if budget is not None and budget > capacity + _CAPACITY_ROUNDING:
+        if budget is not None and capacity is not None and budget > capacity + _CAPACITY_ROUNDING:
             _log.warning(
                 "memory_budget=%.2f GiB is more than the %.2f GiB this process may use of the device (its total "
                 "memory, under the process's memory fraction): plans aim at memory there is not",
@@ -812,21 +816,12 @@ def planner_for(
     return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
 
 
-def plan_step(
-    planner: BudgetPlanner,
-    transfer: Any,
-    outbound: OutboundQueue | None,
-    inbound: InboundQueue | None,
-    stats: OffloadStats,
-    position: Callable[[], int],
-) -> int | None:
-    """Close the planner's previous step (``stats`` describe it) and set the copy queues up for the next one.
-
-    Returns:
-        The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
-        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
-    """
-    assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
+def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, stats: OffloadStats) -> None:
+    """End the planner's open step (``stats`` describe it): it learns from its peak and timings, and the next step's
+    device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step`` earlier,
+    where a batch runs without it (its peak and time are not the step's before it). A step ends once: called again
+    before the next begins, the planner finds none open."""
+    assert isinstance(transfer, StreamedTransfer)
     configured_cap = outbound.configured_inflight_cap
     if planner.measuring:
         extra = {
@@ -850,6 +845,25 @@ def plan_step(
         planner.forward_computed(*transfer.last_forward)
     if transfer.last_stalls is not None:
         planner.waited_for_copies(*transfer.last_stalls)
+
+
+def plan_step(
+    planner: BudgetPlanner,
+    transfer: Any,
+    outbound: OutboundQueue | None,
+    inbound: InboundQueue | None,
+    stats: OffloadStats,
+    position: Callable[[], int],
+) -> int | None:
+    """Close the planner's previous step (``stats`` describe it) and set the copy queues up for the next one.
+
+    Returns:
+        The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
+        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
+    """
+    assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
+    close_step(planner, transfer, outbound, stats)
+    configured_cap = outbound.configured_inflight_cap
     plan = planner.begin_step(position)
     transfer.step = planner.step
     profile = planner.profile

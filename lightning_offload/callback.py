@@ -197,7 +197,9 @@ class ActivationOffloadCallback(Callback):
         if self._shapes is not None and shapes != self._shapes:
             engine.replan()  # a new input shape: the plan of the old one may not fit, or may waste time
         self._shapes = shapes
-        if not engine.installed and not self._plain_batch:
+        if self._plain_batch:
+            engine.end_step()  # the planner's step before this batch ends here: this batch's peak is not its
+        elif not engine.installed:
             self._reporter.before_install(trainer, engine)
             engine.install()
             planner = engine.planner

@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, plan_step, planner_for
+from lightning_offload.budget import BudgetPlanner, close_step, plan_step, planner_for
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import host_limit, pool_for
@@ -136,6 +136,17 @@ class OffloadEngine:
         hooks.__enter__()
         self._hooks = hooks
         self._active = True
+
+    def end_step(self) -> None:
+        """End the current step now, not as the next one begins: the next batch runs without the engine (the memory
+        picture's comparison batch), and its peak and time must not count as this step's in the memory-budget
+        planner's measurements."""
+        if self._active:
+            raise RuntimeError("offload_activations(): end_step() inside the engine's block; call it after the block")
+        self._end_forward()
+        if self.planner is not None and self._outbound is not None:
+            self.collect_stats(wait=False)
+            close_step(self.planner, self._transfer, self._outbound, self._stats)
 
     def uninstall(self) -> None:
         """Remove the hooks (idempotent). Tensors already saved can still be unpacked."""

@@ -120,8 +120,8 @@ class StepReporter:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))
         if will_log:
             planner = engine.planner
-            # A measuring batch ran no plan (the one held may be an earlier input shape's).
-            plan = planner.plan if planner is not None and not planner.measuring else None
+            # Measuring and comparison batches ran no plan (the one held may be an earlier input shape's).
+            plan = planner.plan if planner is not None and not planner.measuring and not plain else None
             self._log(trainer, pl_module, stats, counters, planner, plan, ran=True)
         return stats
 

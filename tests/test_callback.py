@@ -1215,3 +1215,64 @@ def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
     fit(tmp_path, CollectionLit(offload=callback), data, [callback], max_steps=5)
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
+
+
+class PeakMemory(ConstantMemory):
+    """Allocator counters whose peak a test raises: 1 GiB unless a batch says otherwise."""
+
+    def __init__(self) -> None:
+        self._peak = 1 << 30
+
+    def peak(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = 1 << 30
+
+    def reach(self, nbytes: int) -> None:
+        self._peak = max(self._peak, nbytes)
+
+
+class ComparedLit(LitNet):
+    """The memory picture's comparison batch (run without offloading) peaks at 20 GiB; every batch notes the
+    planner's profile peak as it runs."""
+
+    def __init__(self, offload: ActivationOffloadCallback, memory: PeakMemory) -> None:
+        super().__init__(offload=offload)
+        self.memory = memory
+        self.profile_peaks: list[int | None] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        engine = self.offload.engine
+        assert engine is not None and engine.planner is not None
+        profile = engine.planner.profile
+        self.profile_peaks.append(profile.peak if profile is not None else None)
+        if self.offload._plain_batch:
+            self.memory.reach(20 << 30)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_memory_pictures_comparison_batch_is_not_measured_as_the_planners_step_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison batch runs without the engine, so the planner's step before it (the second measuring step) was
+    closed only as the batch after it began, and read the comparison's peak (no offloading) as its own: a profile
+    20 GiB too heavy, and plans far more frugal than needed. The step now ends as the comparison batch begins; and
+    the comparison batch logs no plan (it logged the plan chosen as it began, which it did not run)."""
+    memory = PeakMemory()
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+        return planner_for(options, device, transfer, model, memory)
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+    callback = offload_callback(memory_budget="8GiB", memory_picture=True)
+    model = ComparedLit(callback, memory)
+    fit(tmp_path, model, batches(5), [callback], max_steps=5)
+    assert callback._picture is not None
+    assert [trace.kind for trace in callback._picture._traces] == ["offloaded", "baseline"]  # batches 1 and 2
+    measured = [peak for peak in model.profile_peaks if peak is not None]
+    assert measured and max(measured) < 2 << 30, model.profile_peaks
+    # Nor did the comparison batch run the plan chosen as it began: its plan keys are NaN.
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, True]

@@ -1110,3 +1110,13 @@ def test_view_that_outlives_its_backward_keeps_its_values() -> None:
         with engine:
             Keep.apply(torch.randn(64, 64, requires_grad=True)).sum().backward()
     assert torch.equal(escaped[0], kept)
+
+
+def test_end_step_is_refused_inside_the_block_and_harmless_outside() -> None:
+    """Ending a step early is for the space between two blocks (a batch run without the engine follows); inside the
+    block the step is still saving tensors."""
+    engine = offload_activations(compute_device="cpu", memory_budget=None)
+    engine.end_step()  # before any step, and without a planner: nothing to end
+    with engine, pytest.raises(RuntimeError, match=r"end_step\(\) inside the engine's block"):
+        engine.end_step()
+    engine.end_step()
