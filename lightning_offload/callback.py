@@ -284,6 +284,8 @@ class ActivationOffloadCallback(Callback):
         if self._picture is not None:
             self._picture.close()
         self._reporter.discard()
+        # The fit is over: the idle pinned buffers kept for its next step go, as in ``teardown`` (a retry pins anew).
+        release_host_memory()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1276,3 +1276,14 @@ def test_the_memory_pictures_comparison_batch_is_not_measured_as_the_planners_st
     # Nor did the comparison batch run the plan chosen as it began: its plan keys are NaN.
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, True]
+
+
+def test_host_memory_is_released_when_training_stops_on_an_exception(tmp_path: Path) -> None:
+    """Lightning calls no ``teardown`` after an exception: the fit is over all the same, and the pinned buffers the
+    pool kept for the next step (gigabytes on a GPU) are let go, as at a fit's normal end."""
+    callback = offload_callback()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fit(tmp_path, OutOfMemoryLit(callback, "training_step"), batches(4), [callback], max_steps=4)
+    gc.collect()
+    pool = pool_for(CPU)
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == 0
