@@ -27,6 +27,7 @@ from lightning_offload.options import (
     OffloadOptions,
     OnHostFull,
     option_docs,
+    warn_unused_budget,
 )
 from lightning_offload.reporting import METRIC_DOCS, StepReporter
 from lightning_offload.stats import OffloadStats
@@ -89,6 +90,8 @@ class ActivationOffloadCallback(Callback):
         )
         check_recompute(recompute, call, checkpoint)
         self._manual = RunCheckpointing(checkpoint, call, recompute) if checkpoint is not None else None
+        if checkpoint is not None:
+            warn_unused_budget("ActivationOffloadCallback", memory_budget, f"checkpoint={checkpoint!r}")
         _check_reporting_args(values)
         self.progress_bar = progress_bar
         self._reporter = StepReporter(self.options, progress_bar)

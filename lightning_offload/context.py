@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lightning_offload.engine import OffloadEngine
-from lightning_offload.options import OffloadOptions
+from lightning_offload.options import OffloadOptions, warn_unused_budget
 
 
 def offload_activations(
@@ -80,5 +80,6 @@ def offload_activations(
         # Selected first, quoting this call (the user never called ``apply_checkpointing``); then wrapped.
         names = select_blocks(model, checkpoint, call=f"offload_activations(checkpoint={checkpoint!r})")
         wrap_blocks(model, names, recompute)
+        warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes)

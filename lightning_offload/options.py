@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import re
+import warnings
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, Literal, get_args
@@ -131,7 +132,13 @@ class OffloadOptions:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"{caller}() got unexpected argument(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**_validated(caller, kwargs))
+        options = cls(**_validated(caller, kwargs))
+        if options.mode != "streamed":
+            warn_unused_budget(caller, kwargs.get("memory_budget"), f"mode={options.mode!r}", stacklevel=4)
+        elif options.max_offload_bytes is not None:
+            override = f"max_offload_bytes={options.max_offload_bytes}"
+            warn_unused_budget(caller, kwargs.get("memory_budget"), override, stacklevel=4)
+        return options
 
     def resolved_device(self) -> torch.device | None:
         """The compute device: the option if given, else the current CUDA device; ``None`` without CUDA.
@@ -143,6 +150,21 @@ class OffloadOptions:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return None
+
+
+def warn_unused_budget(caller: str, memory_budget: Any, override: str, stacklevel: int = 3) -> None:
+    """Warn that a ``memory_budget`` the user gave (not the default ``"auto"``) goes unused beside ``override``, a
+    manual override or a mode that does not plan: the user asked for both, and only one can decide. ``stacklevel``:
+    as ``warnings.warn``'s, counted from this function (3: the caller of the function that calls it)."""
+    if memory_budget is None or memory_budget == "auto":
+        return
+    warnings.warn(
+        f"{caller}(memory_budget={memory_budget!r}, {override}): memory_budget is not used; the memory-budget "
+        "planner needs mode='streamed' and no manual override (max_offload_bytes=, checkpoint=). Pass one or the "
+        "other.",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_offload import OffloadOptions, offload_activations
+from lightning_offload import ActivationOffloadCallback, OffloadOptions, offload_activations
 from lightning_offload.checkpointing import checkpointed_modules, remove_checkpointing
 from lightning_offload.options import MODES, ON_HOST_FULL
 from tests.models import top_hooks
@@ -251,3 +252,34 @@ def test_a_selector_that_matches_nothing_quotes_offload_activations() -> None:
     with pytest.raises(ValueError, match=r"^offload_activations\(checkpoint=3\): blocks must be"):
         offload_activations(model=model, checkpoint=3)
     assert checkpointed_modules(model) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "override"),
+    [
+        ({"mode": "sync"}, "mode='sync'"),
+        ({"mode": "off"}, "mode='off'"),
+        ({"max_offload_bytes": 1024}, "max_offload_bytes=1024"),
+    ],
+)
+def test_a_budget_given_beside_a_manual_override_is_a_warning_naming_both(kwargs: dict, override: str) -> None:
+    """The planner needs ``mode="streamed"`` and no manual override; a budget given with one went unused without a
+    word. The default ``"auto"`` says nothing (the user asked for no budget)."""
+    with pytest.warns(
+        UserWarning, match=rf"offload_activations\(memory_budget='40GiB', {override}\): memory_budget is not used"
+    ):
+        offload_activations(memory_budget="40GiB", compute_device="cpu", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload_activations(compute_device="cpu", **kwargs)
+
+
+def test_a_budget_given_beside_checkpoint_is_a_warning_naming_both() -> None:
+    model = nn.Sequential(nn.ModuleList(nn.Linear(4, 4) for _ in range(3)))
+    with pytest.warns(
+        UserWarning, match=r"offload_activations\(memory_budget='1GiB', checkpoint='auto'\): memory_budget"
+    ):
+        engine = offload_activations(compute_device="cpu", model=model, checkpoint="auto", memory_budget="1GiB")
+    engine.close()
+    with pytest.warns(UserWarning, match=r"ActivationOffloadCallback\(memory_budget='1GiB', checkpoint='auto'\)"):
+        ActivationOffloadCallback(checkpoint="auto", memory_budget="1GiB")
