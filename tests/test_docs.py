@@ -7,6 +7,8 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import pytest
+
 from lightning_offload import ActivationOffloadCallback, OffloadOptions, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +128,47 @@ def test_benchmark_commands_in_the_docs_are_current() -> None:
     assert len(commands) >= 6
     for arguments in commands:  # every documented command line parses
         parse_args([a.replace("$OUT", "out") for a in shlex.split(arguments)])
+
+
+def readme_cli_lines() -> list[str]:
+    """The README's ``python train.py fit ...`` command lines (continuations joined, comments dropped)."""
+    section = README.split("### From the command line (LightningCLI)\n", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [line.split("  #")[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line.startswith("python train.py fit")]
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter is intended:UserWarning")
+def test_readme_cli_command_lines_train_with_one_offloading_callback(tmp_path: Path) -> None:
+    """Every ``train.py fit`` line of the README builds a trainer with exactly one offloading callback: two would
+    raise at ``setup`` (saved-tensor hooks stack), none would offload nothing."""
+    import shlex
+
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    section = README.split("### From the command line (LightningCLI)\n", 1)[1]
+    (shown_yaml,) = re.findall(r"```yaml\n# (\S+\.yaml)\n(.*?)```", section, flags=re.DOTALL)[:1]
+    written = {shown_yaml[0]: shown_yaml[1]}
+    # Any other config a line names is the user's own, without offloading: a callback of theirs only.
+    user_config = {"trainer": {"callbacks": [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"}]}}
+    lines = [line for line in readme_cli_lines() if ".help" not in line]
+    assert len(lines) >= 3, lines
+    for line in lines:
+        args = shlex.split(line)[3:]
+        for i, arg in enumerate(args[:-1]):
+            if arg == "--config":
+                name = args[i + 1]
+                if name.startswith("configs/"):
+                    args[i + 1] = str(ROOT / name)
+                    continue
+                path = tmp_path / name
+                path.write_text(written.get(name, yaml.safe_dump(user_config)))
+                args[i + 1] = str(path)
+        cli = LightningCLI(
+            BoringModel, BoringDataModule, run=False, args=[*args, f"--trainer.default_root_dir={tmp_path}"]
+        )
+        ours = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+        assert len(ours) == 1, f"README's `{line}` trains with {len(ours)} ActivationOffloadCallback(s)"
