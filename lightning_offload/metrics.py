@@ -52,7 +52,7 @@ class OffloadEpochMetrics:
     """Aggregates the per-step offloading figures of one training epoch and reduces them over all processes.
 
     Which summaries exist follows the configuration, so every process computes (and so synchronizes) the same set:
-    peaks only on CUDA, the stall only in ``"streamed"`` mode on CUDA, bandwidth only with ``measure_copies``.
+    peaks only on CUDA, the stall only in ``"streamed"`` mode on CUDA, bandwidth only there with ``measure_copies``.
 
     Per-step figures are summed on the host and handed to the torchmetrics objects once per epoch: updating a metric
     on a CUDA device every batch would copy a Python float to the device, and that copy waits for the compute
@@ -78,8 +78,8 @@ class OffloadEpochMetrics:
             keys += [PEAK_ALLOCATED, PEAK_RESERVED]
             if streamed:
                 keys.append(STALL)
-            if measure_copies:
-                keys += [D2H, H2D]
+                if measure_copies:  # only the copy streams' copies are timed
+                    keys += [D2H, H2D]
         self.keys: tuple[str, ...] = tuple(keys)
         self._running: dict[str, _Running] = {key: _Running() for key in keys}
         self._metrics: dict[str, Metric] | None = None

@@ -83,7 +83,8 @@ class OffloadOptions:
             this machine.
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors on
             the device and warns once; ``"error"`` raises :class:`~lightning_offload.HostMemoryFull`.
-        measure_copies: time every copy (``stats.d2h_ms``/``h2d_ms``); costs two events per copy.
+        measure_copies: time every copy on the copy streams (``stats.d2h_ms``/``h2d_ms``; ``mode="streamed"``:
+            ``"sync"`` copies untimed); costs two events per copy.
         plan_trials: under a memory budget, time the few plans worth comparing for four steps each (the cheapest
             by the planner's model, the cheapest without copies, one between) and keep the fastest: the model prices
             recompute and the link, not the host's cost per saved tensor or the allocator near a hard cap. Each step

@@ -31,7 +31,8 @@ METRIC_DOCS = """\
         ``offload/host_pinned_gib``: host memory the pinned pool holds, in GiB.
         ``offload/stall_ms``: (``mode="streamed"`` on CUDA) time the compute stream waited for host-to-device
         copies in the latest batch, in milliseconds.
-        ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (with ``measure_copies=True``) achieved bandwidth.
+        ``offload/d2h_gbps`` and ``offload/h2d_gbps``: (``mode="streamed"`` on CUDA with ``measure_copies=True``)
+        achieved bandwidth; NaN for a batch that timed no copy that way.
         ``offload/memory_budget_gib``: (with a memory budget) the budget, in GiB.
         ``offload/plan_offload_gib``: the bytes of each forward the batch's plan offloads, in GiB; NaN for a batch
         that measures instead (the first two, and the first after the input's shape changes).
@@ -50,8 +51,8 @@ METRIC_DOCS = """\
         ``offload/offloaded_gib_epoch_mean``: the mean ``offload/offloaded_gib`` per training batch.
         ``offload/host_pinned_gib_epoch_max``: the most host memory the pool held after a batch.
         ``offload/stall_ms_epoch_mean``: (``mode="streamed"`` on CUDA) the mean ``offload/stall_ms`` per batch.
-        ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (with ``measure_copies=True``) the
-        epoch's bandwidth: bytes copied over time spent copying.
+        ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (``mode="streamed"`` on CUDA with
+        ``measure_copies=True``) the epoch's bandwidth: bytes copied over time spent copying.
 """
 
 
@@ -169,9 +170,11 @@ class StepReporter:
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
         if self.options.mode == "streamed" and cuda is not None:
             metrics["offload/stall_ms"] = stats.stall_ms
-        if self.options.measure_copies and cuda is not None:
-            metrics["offload/d2h_gbps"] = stats.d2h_gbps()
-            metrics["offload/h2d_gbps"] = stats.h2d_gbps()
+        if self.options.measure_copies and self.options.mode == "streamed" and cuda is not None:
+            # Only the copy streams' copies are timed (sync mode copies untimed on the compute stream), and a batch
+            # that timed no copy has no bandwidth: NaN, not 0 GB/s (nor the last value, which Lightning would repeat).
+            metrics["offload/d2h_gbps"] = stats.d2h_gbps() if stats.d2h_ms > 0 else nan
+            metrics["offload/h2d_gbps"] = stats.h2d_gbps() if stats.h2d_ms > 0 else nan
         if planner is not None:
             metrics["offload/memory_budget_gib"] = planner.budget / GiB
             # A batch that ran no plan logs its keys as NaN rather than leaving them out: Lightning would log a key's

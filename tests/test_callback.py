@@ -985,6 +985,30 @@ def test_copy_timings_logged_for_a_step_are_its_own_when_the_step_before_was_not
         assert every_second[step] == pytest.approx(every_step[step]), step
 
 
+def test_copy_bandwidth_is_logged_only_for_copies_that_were_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``measure_copies`` times the copies on the copy streams. ``mode="sync"`` copies on the compute stream, untimed,
+    and a step that copied nothing moved no bytes: neither may log a bandwidth of 0 GB/s as that step's."""
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)  # log the figures CUDA events time
+    keys = ("offload/d2h_gbps", "offload/h2d_gbps")
+
+    def rows(name: str, **options: Any) -> list[dict[str, str]]:
+        callback = offload_callback(measure_copies=True, **options)
+        fit(tmp_path / name, LitNet(offload=callback), batches(3), [callback], max_steps=3)
+        return [row for row in metrics_rows(tmp_path / name) if row.get("offload/host_pinned_gib")]
+
+    sync = rows("sync", mode="sync")
+    assert len(sync) == 3 and float(sync[-1]["offload/offloaded_gib"]) > 0
+    assert not [row[key] for row in sync for key in keys if row.get(key)], "sync mode times no copy"
+    nothing = rows("nothing", min_tensor_bytes=1 << 40)  # every saved tensor stays: no copy in any step
+    assert len(nothing) == 3 and float(nothing[-1]["offload/offloaded_gib"]) == 0
+    assert [row[key] for row in nothing for key in keys] == ["nan"] * 6
+    streamed = rows("streamed")
+    assert all(float(row[key]) > 0 for row in streamed for key in keys)
+
+
 # ---------------------------------------------------------------------------------------------- configuration
 
 

@@ -53,6 +53,8 @@ def test_keys_follow_the_configuration() -> None:
     assert OffloadEpochMetrics(cuda=False, streamed=True, measure_copies=True).keys == (OFFLOADED, HOST_PINNED)
     cuda_sync = OffloadEpochMetrics(cuda=True, streamed=False, measure_copies=False).keys
     assert set(cuda_sync) == {OFFLOADED, HOST_PINNED, PEAK_ALLOCATED, PEAK_RESERVED}
+    # Sync mode times no copy: no bandwidth summary, whatever measure_copies says.
+    assert OffloadEpochMetrics(cuda=True, streamed=False, measure_copies=True).keys == cuda_sync
     full = OffloadEpochMetrics(cuda=True, streamed=True, measure_copies=True).keys
     assert set(full) == {OFFLOADED, HOST_PINNED, PEAK_ALLOCATED, PEAK_RESERVED, STALL, D2H, H2D}
 
