@@ -51,6 +51,11 @@ class HostMemoryFull(RuntimeError):
         self.device_type = device_type
         super().__init__(self.message("error"))
 
+    def __reduce__(self) -> tuple[type[HostMemoryFull], tuple[int, int, int, int, str]]:
+        # Rebuilt from the figures: the default rebuilds from ``args`` (the message alone), which ``__init__`` refuses,
+        # so pickling across processes or ``copy.copy`` raised ``TypeError`` in place of this error.
+        return type(self), (self.needed, self.held, self.limit, self.available, self.device_type)
+
     def message(self, on_host_full: str) -> str:
         """What happened and what to change, for the ``on_host_full`` mode in effect (``"warn"`` or ``"error"``)."""
         device = "GPU" if self.device_type == "cuda" else "device"

@@ -200,3 +200,16 @@ def test_at_the_limit_an_idle_larger_buffer_gives_way_to_one_of_the_exact_class(
     small, _ = pool.acquire(900 * KiB, limit)
     assert small.numel() == size_class(900 * KiB) < MiB
     assert (pool.allocations, pool.reserved_bytes) == (2, small.numel())
+
+
+def test_host_memory_full_survives_pickling_and_copying() -> None:
+    """An exception crosses processes pickled (``multiprocessing``, ``concurrent.futures``) and is copied by tools that
+    re-raise it: rebuilt from its message alone, ``HostMemoryFull`` raised ``TypeError`` instead of arriving."""
+    import copy
+    import pickle
+
+    err = HostMemoryFull(needed=3 << 20, held=1 << 20, limit=2 << 20, available=5 << 30, device_type="cpu")
+    for clone in (pickle.loads(pickle.dumps(err)), copy.copy(err)):
+        assert isinstance(clone, HostMemoryFull)
+        assert (clone.needed, clone.held, clone.limit, clone.available) == (3 << 20, 1 << 20, 2 << 20, 5 << 30)
+        assert clone.device_type == "cpu" and str(clone) == str(err)
