@@ -172,3 +172,36 @@ def test_readme_cli_command_lines_train_with_one_offloading_callback(tmp_path: P
         )
         ours = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
         assert len(ours) == 1, f"README's `{line}` trains with {len(ours)} ActivationOffloadCallback(s)"
+
+
+def logged_step_keys() -> set[str]:
+    """Every per-step key the callback's reporter logs: the ``offload/...`` string constants of its code (the
+    module's docstring and ``METRIC_DOCS`` left out)."""
+    import ast
+
+    from lightning_offload import reporting
+
+    tree = ast.parse(Path(reporting.__file__).read_text())
+    texts = {reporting.METRIC_DOCS, ast.get_docstring(tree)}
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value not in texts
+        if re.fullmatch(r"offload/\w+", node.value)
+    }
+
+
+def test_every_key_the_reporter_logs_is_documented_and_every_documented_key_is_logged() -> None:
+    epoch_keys = {value for name, value in vars(metrics).items() if name.isupper() and isinstance(value, str)}
+    step_keys = logged_step_keys()
+    assert {"offload/peak_allocated_gib", "offload/plan_trial", "offload/d2h_gbps"} <= step_keys, step_keys
+    docstring = ActivationOffloadCallback.__doc__ or ""
+    for key in step_keys | epoch_keys:
+        assert f"`{key}`" in README, f"README does not document {key}"
+        assert f"``{key}``" in docstring, f"the callback's docstring does not document {key}"
+    section = README.split("\n## Logged metrics\n", 1)[1].split("\n## ", 1)[0]
+    tables = "\n".join(line for line in section.splitlines() if line.startswith("| `offload/"))
+    documented = set(re.findall(r"`(offload/\w+)`", tables))
+    assert documented == step_keys | epoch_keys, "README's metric tables and the logged keys differ"
+    in_docstring = set(re.findall(r"``(offload/\w+)``", docstring))
+    assert in_docstring == step_keys | epoch_keys, "the callback's docstring and the logged keys differ"
