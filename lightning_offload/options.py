@@ -123,8 +123,8 @@ class OffloadOptions:
         # budget and device parsed, so a size such as "40GiB" is not kept as a string (``budget_bytes`` would read it
         # as "auto"). ``create`` and ``dataclasses.replace`` come through here too, with values already valid.
         values = _validated("OffloadOptions", {f.name: getattr(self, f.name) for f in fields(self)})
-        object.__setattr__(self, "memory_budget", values["memory_budget"])
-        object.__setattr__(self, "compute_device", values["compute_device"])
+        for name in _NORMALIZED:
+            object.__setattr__(self, name, values[name])
 
     @classmethod
     def create(cls, caller: str, **kwargs: Any) -> OffloadOptions:
@@ -151,6 +151,19 @@ class OffloadOptions:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return None
+
+
+# Options ``_validated`` returns in another form than given: parsed (a size string, a device) or made plain ``int``s.
+_NORMALIZED = (
+    "memory_budget",
+    "compute_device",
+    "min_tensor_bytes",
+    "resident_tail_bytes",
+    "prefetch_bytes",
+    "max_offload_bytes",
+    "max_inflight_bytes",
+    "host_memory_limit",
+)
 
 
 def warn_unused_budget(caller: str, memory_budget: Any, override: str, stacklevel: int = 3) -> None:
@@ -180,19 +193,19 @@ def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}")
     for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
         if name in kwargs:
-            _check_bytes(caller, name, kwargs[name], allow_none=False)
+            kwargs[name] = _check_bytes(caller, name, kwargs[name], allow_none=False)
     if kwargs.get("max_offload_bytes") == "auto":
         raise ValueError(
             f"{caller}(max_offload_bytes='auto'): 'auto' was retired (it offloaded far more than hides); pass "
             "memory_budget= (bytes or a string such as '40GiB') to let the planner choose, or a byte count"
         )
     if "max_offload_bytes" in kwargs:
-        _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], allow_none=True)
+        kwargs["max_offload_bytes"] = _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], True)
     if "memory_budget" in kwargs:
         kwargs["memory_budget"] = parse_budget(caller, kwargs["memory_budget"])
     for name in ("max_inflight_bytes", "host_memory_limit"):
         if name in kwargs:
-            _check_bytes(caller, name, kwargs[name], allow_none=True)
+            kwargs[name] = _check_bytes(caller, name, kwargs[name], allow_none=True)
     _check_host_limit(caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES))
     for name in ("measure_copies", "plan_trials"):
         flag = kwargs.get(name, False)
@@ -202,12 +215,15 @@ def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> None:
+def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> int | None:
+    """``value`` as an ``int`` (any integer type: numpy's too, not a bool), or ``None`` where allowed; raises naming
+    ``caller`` and the argument."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         allowed = "a byte count >= 0" + (" or None" if allow_none else "")
         raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
+    return int(value)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

@@ -283,3 +283,15 @@ def test_a_budget_given_beside_checkpoint_is_a_warning_naming_both() -> None:
     engine.close()
     with pytest.warns(UserWarning, match=r"ActivationOffloadCallback\(memory_budget='1GiB', checkpoint='auto'\)"):
         ActivationOffloadCallback(checkpoint="auto", memory_budget="1GiB")
+
+
+def test_byte_options_take_any_integer_type_and_keep_plain_ints() -> None:
+    """A numpy integer (a size computed with numpy) was refused as "not a byte count" by every byte option but
+    ``memory_budget``; they take it and keep a plain ``int``."""
+    import numpy as np
+
+    names = ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes", "max_offload_bytes", "max_inflight_bytes")
+    values = {name: np.int64(1 << 20) for name in names} | {"host_memory_limit": np.int64(1 << 30)}
+    for options in (OffloadOptions.create("t", **values), OffloadOptions(**values)):  # type: ignore[arg-type]
+        for name, value in values.items():
+            assert getattr(options, name) == int(value) and type(getattr(options, name)) is int, name
