@@ -23,13 +23,13 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from lightning_offload.context import offload_activations
 from lightning_offload.engine import OffloadEngine
-from lightning_offload.options import OffloadOptions
+from lightning_offload.options import OffloadOptions, warn_unused_budget
 
 __all__ = ["fabric_offload"]
 
@@ -88,8 +88,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
 
     checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
     check_recompute(recompute, f"fabric_offload(recompute={recompute!r})", checkpoint)
-    # Every value checked here, so that an error quotes this call rather than ``offload_activations``, which it uses.
-    OffloadOptions.create("fabric_offload", **options)
+    # Checked and warned about here, once, so that errors and warnings quote this call, the one the user made.
+    engine_options = OffloadOptions.create("fabric_offload", **options)
     # ``fabric.setup`` wraps the module (and DDP inside the wrapper); the blocks belong to the original.
     module = getattr(model, "module", model) if _is_fabric_wrapper(model) else model
     names: list[str] = []
@@ -97,8 +97,11 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         if module is None:
             raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
         names = select_blocks(module, checkpoint, call=f"fabric_offload(checkpoint={checkpoint!r})")
-        options["memory_budget"] = None  # checkpointing by hand: the user decides, as with offload_activations
-    engine = offload_activations(**options, model=model, local_processes=local_processes(fabric))
+        if engine_options.plans:  # else ``create`` has said why the budget goes unused
+            warn_unused_budget("fabric_offload", options.get("memory_budget"), f"checkpoint={checkpoint!r}")
+        # Checkpointing by hand: the user decides, as with ``offload_activations``.
+        engine_options = dataclasses.replace(engine_options, memory_budget=None)
+    engine = OffloadEngine(engine_options, model=model, local_processes=local_processes(fabric))
     if names:
         wrap_blocks(module, names, recompute)  # selected (and the options checked) above: nothing left to fail
     return engine

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,30 @@ def test_fabric_offload_refuses_what_is_not_a_fabric_or_a_module_naming_the_argu
         match = rf"^fabric_offload\(fabric={type(fabric).__name__}\): fabric must be a lightning.fabric.Fabric"
     with pytest.raises(TypeError, match=match):
         fabric_offload(fabric, model, compute_device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("options", "override"),
+    [
+        ({"mode": "sync"}, "mode='sync'"),
+        ({"max_offload_bytes": 1024}, "max_offload_bytes=1024"),
+        ({"checkpoint": "auto"}, "checkpoint='auto'"),
+    ],
+)
+def test_a_budget_fabric_offload_cannot_use_is_one_warning_quoting_fabric_offload(
+    options: dict[str, Any], override: str
+) -> None:
+    """A ``memory_budget`` beside a manual override or a mode that does not plan goes unused: said once, quoting the
+    call the user made (not ``offload_activations``, which it uses), pointing at the user's line; the default budget
+    says nothing."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        fabric_offload(fabric, module, compute_device="cpu", memory_budget="1GiB", **options)
+    unused = [w for w in caught if "memory_budget is not used" in str(w.message)]
+    assert [str(w.message).split(":")[0] for w in unused] == [f"fabric_offload(memory_budget='1GiB', {override})"]
+    assert unused[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fabric_offload(fabric, nn.ModuleList(nn.Linear(2, 2) for _ in range(2)), compute_device="cpu", **options)
