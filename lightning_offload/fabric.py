@@ -44,10 +44,10 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         model: the model (as ``fabric.setup`` returned it, or the plain module): its parameters and buffers are
             never offloaded, and ``checkpoint=`` applies to its blocks.
         **options: the options of :func:`lightning_offload.offload_activations` (``mode``, ``max_offload_bytes``,
-            ``checkpoint``, ``recompute``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA; on
-            any other device pass ``compute_device="cpu"`` (which runs the engine on CPU tensors, for tests) or do
-            not offload. ``host_memory_limit=None`` splits 80% of the available RAM between the processes Fabric
-            runs on this machine.
+            ``checkpoint``, ``recompute``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA (and
+            may name no other then); on any other device pass ``compute_device="cpu"`` (which runs the engine on
+            CPU tensors, for tests) or do not offload. ``host_memory_limit=None`` splits 80% of the available RAM
+            between the processes Fabric runs on this machine.
 
     Returns:
         An :class:`~lightning_offload.OffloadEngine`: a reusable context manager whose ``stats`` describe the
@@ -55,9 +55,9 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
 
     Raises:
         TypeError: ``fabric`` is not a Fabric, ``model`` not a module, or an option is unknown.
-        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, ``local_processes`` was
-            passed (it comes from Fabric), or an option's value is invalid. Errors quote this call, and nothing is
-            checkpointed then.
+        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, Fabric's device is CUDA and
+            ``compute_device`` names another device, ``local_processes`` was passed (it comes from Fabric), or an
+            option's value is invalid. Errors quote this call, and nothing is checkpointed then.
     """
     if not (hasattr(fabric, "device") and hasattr(fabric, "strategy")):
         raise TypeError(
@@ -84,6 +84,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
                 "device."
             )
         options["compute_device"] = device
+    elif device.type == "cuda":
+        _check_fabric_device(options["compute_device"], device)
     from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
 
     checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
@@ -114,6 +116,22 @@ def local_processes(fabric: Any) -> int:
     """
     count = getattr(fabric.strategy, "num_processes", 1)
     return count if isinstance(count, int) and count >= 1 else 1
+
+
+def _check_fabric_device(requested: Any, device: torch.device) -> None:
+    """Refuse a ``compute_device`` other than Fabric's CUDA device: this process's activations live on Fabric's
+    device, and the engine offloads only tensors of its own, so every rank but one would offload nothing, silently
+    (``"cuda:0"`` copied from single-GPU code). ``"cuda"`` names the current device, which Fabric set to its own."""
+    try:
+        parsed = torch.device(requested)
+    except (RuntimeError, TypeError):
+        return  # not a device at all: ``OffloadOptions`` says what is allowed
+    if parsed.type != "cuda" or (parsed.index is not None and parsed.index != device.index):
+        raise ValueError(
+            f"fabric_offload(compute_device={requested!r}): Fabric runs this process on {str(device)!r}, so "
+            f"tensors of {str(parsed)!r} are not this process's activations and nothing would be offloaded; leave "
+            "compute_device out (Fabric's device is used)"
+        )
 
 
 def _is_fabric_wrapper(model: Any) -> bool:

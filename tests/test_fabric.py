@@ -13,6 +13,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -228,3 +229,15 @@ def test_a_budget_fabric_offload_cannot_use_is_one_warning_quoting_fabric_offloa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fabric_offload(fabric, nn.ModuleList(nn.Linear(2, 2) for _ in range(2)), compute_device="cpu", **options)
+
+
+@pytest.mark.parametrize("compute_device", ["cpu", "cuda:0", torch.device("cuda", 0)])
+def test_a_compute_device_other_than_fabrics_cuda_device_is_refused(compute_device: Any) -> None:
+    """On rank 1 of a CUDA Fabric (``cuda:1``), ``compute_device="cuda:0"`` (copied from single-GPU code) or
+    ``"cpu"`` would offload nothing on that rank, without a word: its activations are on ``cuda:1``."""
+    fabric = SimpleNamespace(device=torch.device("cuda", 1), strategy=SimpleNamespace(num_processes=2))
+    with pytest.raises(ValueError) as info:
+        fabric_offload(fabric, nn.Linear(2, 2), compute_device=compute_device)
+    assert str(info.value).startswith(
+        f"fabric_offload(compute_device={compute_device!r}): Fabric runs this process on 'cuda:1'"
+    ), str(info.value)
