@@ -55,7 +55,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
 
     Raises:
         TypeError: ``fabric`` is not a Fabric, ``model`` not a module, or an option is unknown.
-        ValueError: Fabric's device is not CUDA and no ``compute_device`` was given, Fabric's device is CUDA and
+        ValueError: Fabric runs ``strategy="dp"`` over several devices (replicas in threads the hooks do not
+            see), Fabric's device is not CUDA and no ``compute_device`` was given, Fabric's device is CUDA and
             ``compute_device`` names another device, ``local_processes`` was passed (it comes from Fabric), or an
             option's value is invalid. Errors quote this call, and nothing is checkpointed then.
     """
@@ -75,6 +76,12 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"fabric_offload() got unexpected argument(s) {unknown}; allowed: {sorted(allowed)}")
+    if _threads_replicas(fabric.strategy):
+        raise ValueError(
+            f"fabric_offload(fabric): Fabric's strategy 'dp' ({type(fabric.strategy).__name__}) runs each device's "
+            "replica in a thread of its own, and saved-tensor hooks see only the thread that entered them: nothing "
+            "would be offloaded. Use strategy='ddp' (a process per device)."
+        )
     device = torch.device(fabric.device)
     if options.get("compute_device") is None:
         if device.type != "cuda":
@@ -116,6 +123,13 @@ def local_processes(fabric: Any) -> int:
     """
     count = getattr(fabric.strategy, "num_processes", 1)
     return count if isinstance(count, int) and count >= 1 else 1
+
+
+def _threads_replicas(strategy: Any) -> bool:
+    """Whether ``strategy`` is Fabric's ``DataParallelStrategy`` over several devices: ``torch.nn.DataParallel``
+    then runs every replica's forward in a worker thread (on one device it calls the module in the caller's)."""
+    is_dp = any(cls.__name__ == "DataParallelStrategy" for cls in type(strategy).__mro__)
+    return is_dp and len(getattr(strategy, "parallel_devices", None) or ()) > 1
 
 
 def _check_fabric_device(requested: Any, device: torch.device) -> None:

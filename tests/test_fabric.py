@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DataParallelStrategy
 from torch import nn
 
 from lightning_offload import ActivationOffloadCallback, offload_activations
@@ -241,3 +242,15 @@ def test_a_compute_device_other_than_fabrics_cuda_device_is_refused(compute_devi
     assert str(info.value).startswith(
         f"fabric_offload(compute_device={compute_device!r}): Fabric runs this process on 'cuda:1'"
     ), str(info.value)
+
+
+def test_data_parallel_over_several_devices_is_refused() -> None:
+    """``strategy="dp"`` runs each replica's forward in a thread of its own; saved-tensor hooks are per thread, so
+    the engine entered in the loop's thread would see none of the activations and offload nothing, silently."""
+    dp = DataParallelStrategy(parallel_devices=[torch.device("cpu"), torch.device("cpu")])
+    fabric = SimpleNamespace(device=dp.root_device, strategy=dp)
+    with pytest.raises(ValueError, match=r"^fabric_offload\(fabric\): Fabric's strategy 'dp' \(DataParallelStrategy"):
+        fabric_offload(fabric, nn.Linear(2, 2), compute_device="cpu")
+    # On one device ``DataParallel`` calls the module in the caller's thread: the hooks see its activations.
+    one = DataParallelStrategy(parallel_devices=[torch.device("cpu")])
+    assert fabric_offload(SimpleNamespace(device=one.root_device, strategy=one), compute_device="cpu") is not None
