@@ -6,7 +6,8 @@ trains the same tiny per-token MLP for ``STEPS`` SGD steps, first without offloa
 strategy="ddp")`` and ``fabric.launch()`` (gloo). Fabric's launcher runs this script again for every other rank, so
 everything happens under ``if __name__ == "__main__"``. Rank ``r`` writes into ``OUT_DIR``:
 
-- ``{tag}_params_rank{r}.pt``: the parameters after training;
+- ``{tag}_params_rank{r}.pt``: the parameters after training (also ``accumulate_{tag}``: ``ACCUMULATE``
+  micro-batches per step under ``fabric.no_backward_sync``, the engine streamed);
 - ``offload_rank{r}.json``: what it offloaded per step, its engine's process count and host limit, and the RAM
   available when the engine sized that limit.
 
@@ -32,6 +33,7 @@ from lightning_offload.fabric import fabric_offload
 from lightning_offload.host_pool import pool_for
 
 STEPS = 3
+ACCUMULATE = 2  # micro-batches per optimizer step in the ``accumulate_`` runs
 BATCH = 4
 WIDTH = 32
 LENGTHS = (8, 64)  # tokens per sequence on rank 0 and rank 1
@@ -54,8 +56,10 @@ def batch_for(rank: int, step: int) -> torch.Tensor:
     return torch.randn(BATCH, LENGTHS[rank % len(LENGTHS)], WIDTH, generator=generator)
 
 
-def train(fabric: Fabric, out: Path, offload: bool) -> None:
-    tag = "offload" if offload else "baseline"
+def train(fabric: Fabric, out: Path, offload: bool, accumulate: bool = False) -> None:
+    """``STEPS`` optimizer steps; ``accumulate``: each of ``ACCUMULATE`` micro-batches, the streamed engine, DDP's
+    gradient sync skipped (``fabric.no_backward_sync``) in all but the last."""
+    tag = ("accumulate_" if accumulate else "") + ("offload" if offload else "baseline")
     module = make_model()
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
     record: dict[str, Any] = {"offloaded_bytes": [], "pid": os.getpid(), "rank": fabric.global_rank}
@@ -63,12 +67,16 @@ def train(fabric: Fabric, out: Path, offload: bool) -> None:
     if offload:
         record["available_at_start"] = psutil.virtual_memory().available
         record["pool_reserved_at_start"] = pool_for(torch.device("cpu")).reserved_bytes
-        off = fabric_offload(fabric, model, **OFFLOAD_OPTIONS)
+        options = {**OFFLOAD_OPTIONS, "mode": "streamed"} if accumulate else OFFLOAD_OPTIONS
+        off = fabric_offload(fabric, model, **options)
+    micro_batches = ACCUMULATE if accumulate else 1
     for step in range(STEPS):
-        batch = batch_for(fabric.global_rank, step)
-        with off if off is not None else contextlib.nullcontext():
-            loss = F.mse_loss(model(batch), batch.flip(-1))
-        fabric.backward(loss)
+        for micro in range(micro_batches):
+            batch = batch_for(fabric.global_rank, step * micro_batches + micro)
+            with fabric.no_backward_sync(model, enabled=micro < micro_batches - 1):
+                with off if off is not None else contextlib.nullcontext():
+                    loss = F.mse_loss(model(batch), batch.flip(-1))
+                fabric.backward(loss / micro_batches)
         optimizer.step()
         optimizer.zero_grad()
         if off is not None:
@@ -86,6 +94,8 @@ def main() -> None:
     fabric.launch()
     train(fabric, out, offload=False)
     train(fabric, out, offload=True)
+    train(fabric, out, offload=False, accumulate=True)
+    train(fabric, out, offload=True, accumulate=True)
     fabric.barrier()
     # Rank 0 started the other ranks: let them exit before the test reads their files.
     for child in getattr(fabric.strategy.launcher, "procs", None) or []:

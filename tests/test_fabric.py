@@ -47,8 +47,9 @@ def load(out: Path, name: str) -> Any:
     return torch.load(path, weights_only=True) if path.suffix == ".pt" else json.loads(path.read_text())
 
 
-def assert_same_params(out: Path, rank: int) -> None:
-    baseline, offload = load(out, f"baseline_params_rank{rank}.pt"), load(out, f"offload_params_rank{rank}.pt")
+def assert_same_params(out: Path, rank: int, prefix: str = "") -> None:
+    baseline = load(out, f"{prefix}baseline_params_rank{rank}.pt")
+    offload = load(out, f"{prefix}offload_params_rank{rank}.pt")
     assert baseline.keys() == offload.keys()
     different = [name for name in baseline if not torch.equal(baseline[name], offload[name])]
     assert not different, f"rank {rank}: parameters differ from the run without offloading: {different}"
@@ -99,6 +100,13 @@ def test_two_processes_match_training_without_offloading_and_split_the_host_limi
     assert records[1]["offloaded_bytes"][0] > records[0]["offloaded_bytes"][0]
     params = [load(tmp_path, f"offload_params_rank{rank}.pt") for rank in range(2)]
     assert all(torch.equal(params[0][name], params[1][name]) for name in params[0])
+    # Gradient accumulation under fabric.no_backward_sync, streamed: DDP's reducer runs in the last micro-batch's
+    # backward only, while its tensors come back; the result is still the run without offloading, on both ranks.
+    for rank in range(2):
+        assert_same_params(tmp_path, rank, prefix="accumulate_")
+        assert all(b > 0 for b in load(tmp_path, f"accumulate_offload_rank{rank}.json")["offloaded_bytes"])
+    accumulated = [load(tmp_path, f"accumulate_offload_params_rank{rank}.pt") for rank in range(2)]
+    assert all(torch.equal(accumulated[0][name], accumulated[1][name]) for name in accumulated[0])
 
 
 def test_checkpoint_applies_to_the_module_fabric_wrapped(tmp_path: Path) -> None:
