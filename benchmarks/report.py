@@ -210,12 +210,25 @@ def grad_tolerance(rows: dict[str, dict[str, Any]]) -> float:
     return max(GRAD_TOLERANCE, 2 * noise) if noise is not None else GRAD_TOLERANCE
 
 
+def _plan_recomputes(row: dict[str, Any]) -> bool:
+    """Whether the memory-budget plan a row ran checkpoints blocks (whole, by parts or with elementwise recompute):
+    such a row has no ``checkpoint`` of its own, its plan puts the checkpointing in."""
+    plan = row.get("plan") or {}
+    return bool(plan.get("checkpoint_blocks") or plan.get("light_blocks"))
+
+
 def _offload_rows(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Our rows that offload without checkpointing: the points of our time-versus-memory curve."""
+    """Our rows that offload without checkpointing: the points of our time-versus-memory curve (a planner row whose
+    plan checkpoints blocks is not one)."""
     return [
         r
         for r in rows.values()
-        if _ok(r) and r["group"] == "ours" and not r.get("checkpoint") and r["mode"] != "off" and _peak(r) is not None
+        if _ok(r)
+        and r["group"] == "ours"
+        and not r.get("checkpoint")
+        and not _plan_recomputes(r)
+        and r["mode"] != "off"
+        and _peak(r) is not None
     ]
 
 

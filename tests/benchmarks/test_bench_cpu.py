@@ -429,6 +429,25 @@ def test_p1b_ahead_of_every_anchor() -> None:
     assert _by_key([_result("llama1b-s4k", [base[0], missing, *ours])])["P1b"].status == "n/a"
 
 
+def test_p1b_and_p3_do_not_count_planner_rows_whose_plan_checkpoints() -> None:
+    """A memory-budget row has no ``checkpoint`` of its own, but its plan may checkpoint blocks (whole or with
+    elementwise recompute): such a row is not one of "our offloading rows (no checkpointing)". A plan that only
+    offloads still counts."""
+    base = [_row("none", 0.18, 34.1), _row("trl", 0.73, 22.3)]
+    plan = {"offload_bytes": 0, "checkpoint_blocks": 12, "light_blocks": 0, "split": False, "peak": 19 * GiB}
+    checkpointing = _row("ours-budget-0.7x", 0.21, 19.3, offloaded_gib=0.0, plan=plan)
+    verdict = _by_key([_result("llama1b-s4k", [*base, checkpointing])])["P1b"]
+    assert verdict.status == "missed" and "trl: none of ours reaches its peak 22.3 GiB" in verdict.detail
+    light = {**plan, "checkpoint_blocks": 0, "light_blocks": 8}
+    elementwise = _row("ours-budget-0.9x", 0.185, 28.0, offloaded_gib=0.0, plan=light)
+    verdict = _by_key([_result("llama1b-s4k", [base[0], elementwise])])["P3"]
+    assert verdict.status == "missed" and "no row of ours within 1.05x" in verdict.detail
+    offloading = {**plan, "checkpoint_blocks": 0, "offload_bytes": 12 * GiB}
+    only_offload = _row("ours-budget-0.7x", 0.30, 22.0, offloaded_gib=12.0, plan=offloading)
+    verdict = _by_key([_result("llama1b-s4k", [*base, only_offload])])["P1b"]
+    assert verdict.status == "met" and "vs ours-budget-0.7x" in verdict.detail
+
+
 def test_p1b_survives_a_failed_none_row() -> None:
     rows = [{**_row("none", 0.0), "status": "OOM"}, _row("trl", 0.73, 24.5), _row("streamed", 0.4, 20.0)]
     verdicts = _by_key([_result("llama1b-s4k", rows)])
