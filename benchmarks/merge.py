@@ -67,7 +67,7 @@ def _merge_searches(
     """One model and cap: the later run's searches win per mode, and the modes only an earlier run searched stay
     (a run that searched one mode again does not drop the others). A later search cut short (by its deadline) does
     not replace an earlier one that finished, nor one also cut short that trained a longer sequence: it knows less
-    about the same mode."""
+    about the same mode (unless it trained a longer sequence than the earlier one did)."""
     modes = {entry["mode"]: (entry, run) for entry in searched}
     walls = {run: result.get("wall_s") or 0.0}
     if earlier is not None:
@@ -93,10 +93,12 @@ def _merge_searches(
 
 
 def _knows_more(earlier: dict[str, Any], later: dict[str, Any]) -> bool:
-    """Whether an earlier search of a mode says more than a later one cut short by its deadline."""
-    if later.get("complete"):
+    """Whether an earlier search of a mode says more than a later one cut short by its deadline. A later search that
+    trained a longer sequence always wins: the earlier one's answer (finished or not) is then known to be short."""
+    earlier_longest, later_longest = earlier.get("longest") or 0, later.get("longest") or 0
+    if later.get("complete") or later_longest > earlier_longest:
         return False
-    return bool(earlier.get("complete")) or (earlier.get("longest") or 0) > (later.get("longest") or 0)
+    return bool(earlier.get("complete")) or earlier_longest > later_longest
 
 
 def main(argv: list[str] | None = None) -> int:

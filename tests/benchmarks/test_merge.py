@@ -155,6 +155,27 @@ def test_of_two_searches_cut_short_the_one_that_got_further_is_kept() -> None:
     assert result["source_run"] == "ac from cap-a, ours-budget from cap-b"
 
 
+def test_a_search_cut_short_that_trained_longer_replaces_a_finished_one_it_contradicts() -> None:
+    """An earlier, finished AC search says 10240 is the longest (12288 ran out of memory); a later one cut short by its
+    deadline trained 14336: the later one is kept, so the report neither claims 10240 exact nor B3 met by ours' 12288
+    against it."""
+    a = _capacity_run("cap-a", {24: 12288})
+    b = _capacity_run("cap-b", {24: 12288})
+    for search in a["capacity"][0]["searches"]:
+        search["complete"] = True
+    for search in b["capacity"][0]["searches"]:
+        search["complete"] = search["mode"] != "ac"
+        if search["mode"] == "ac":
+            search.update(longest=14336, upper=None, first_fail=None, status="incomplete: deadline")
+            search["probes"] = [{"seq": 14336, "fits": True}]
+    merged = merge([a, b], "dev")
+    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 24]
+    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    assert longest == {"ac": 14336, "ours-budget": 12288}
+    b3 = next(v for v in merged["capacity_verdicts"] if v["key"] == "B3")
+    assert b3["status"] == "missed" and "ac >= 14336" in b3["detail"]
+
+
 def _interleaved(workload: str, none_ms: float, default_ms: float) -> dict:
     arms = {"none": {"median_ms": none_ms}, "default": {"median_ms": default_ms}, "ac": {"median_ms": 3 * none_ms}}
     return {"workload": {"name": workload}, "rounds": 200, "arms": arms}
