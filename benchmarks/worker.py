@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -704,7 +705,10 @@ class Runner:
             ref_dev = ref.to(self.device, non_blocking=True).float()
             scale = ref_dev.abs().max().item()
             diff = (param.grad.float() - ref_dev).abs().max().item()
-            worst = max(worst, diff / scale if scale > 0 else diff)
+            relative = diff / scale if scale > 0 else diff
+            if math.isnan(relative):
+                return math.nan  # a NaN on either side: ``max`` would keep the difference found before it
+            worst = max(worst, relative)
         return worst
 
 

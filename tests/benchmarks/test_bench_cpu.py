@@ -624,6 +624,27 @@ def test_rows_that_plan_warm_up_past_the_planners_measuring_steps(tmp_path: Path
     assert unsettled == {"none": None, "streamed": None, "ours-default": 0}
 
 
+def test_a_nan_gradient_is_not_read_as_agreeing_with_none() -> None:
+    """A row whose first-step gradient holds a NaN differs from `none` by NaN, which G reads as missed (Python's
+    ``max`` keeps the difference found before a NaN, so it read as 0 and G as met)."""
+    import math
+
+    from benchmarks.worker import Runner
+    from benchmarks.workloads import tiny
+
+    runner = Runner(tiny(WORKLOADS["small-h512"]), 1, 1, True, 1, 1)
+    for _, param in runner.trainable:
+        param.grad = torch.ones_like(param)
+    runner.reference_grads = {name: param.grad.clone() for name, param in runner.trainable}
+    assert runner._difference_to_reference() == 0.0
+    runner.trainable[-1][1].grad.view(-1)[0] = float("nan")
+    diff = runner._difference_to_reference()
+    assert diff is not None and math.isnan(diff)
+    rows = [_row("none", 1.0, 10.0), _row("streamed", 1.2, 8.0, offloaded_gib=1.0, grad=diff)]
+    verdict = _by_key([_result("small-h512", rows)])["G"]
+    assert verdict.status == "missed" and "small-h512/streamed: nan" in verdict.detail
+
+
 def test_collector_clock_counts_the_collections_of_each_generation_while_open() -> None:
     """Rows report Python's garbage collections per timed step: the clock counts those made while it is open."""
     import gc
