@@ -595,6 +595,9 @@ class Runner:
         # Per step of a planning row: the plan it ran, the host buffers it pinned, whether the plan was under trial.
         ran: list[tuple[Any, int, bool]] = []
         collections: list[tuple[list[int], list[float]]] = []  # per timed step: per generation, count and ms
+        # The most allocated and reserved in any timed step, read after each: a planner made by `offload_activations`
+        # owns the peak counters and resets them as each step begins, so one read at the end saw the last step alone.
+        peak_alloc = peak_reserved = 0
         index = 0
         while index < warmup + steps:
             if index == warmup and plans and warmup < PLANNER_MAX_WARMUP and _unsettled(ran):
@@ -630,6 +633,9 @@ class Runner:
                 ran.append((plan, engine.collect_stats(wait=False).host_allocations, trying))
             index += 1
             if timed:
+                if self.cuda:
+                    peak_alloc = max(peak_alloc, torch.cuda.max_memory_allocated(self.device))
+                    peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(self.device))
                 times.append(elapsed)
                 phases.append(clock.phases())
                 collections.append((collector.collections, collector.ms))
@@ -655,8 +661,8 @@ class Runner:
         row["gc_collections"] = [c for c, _ in collections]  # per timed step, generations 0, 1, 2
         row["gc_ms"] = [round(sum(ms), 3) for _, ms in collections]  # per timed step, all generations
         if self.cuda:
-            row["peak_alloc_gib"] = torch.cuda.max_memory_allocated(self.device) / GiB
-            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GiB
+            row["peak_alloc_gib"] = peak_alloc / GiB
+            row["peak_reserved_gib"] = peak_reserved / GiB
             row["allocator"] = allocator_segments()
             # How often the allocator found the device (or the row's cap) full and flushed its cache, per timed step.
             row["alloc_flushes_per_step"] = (read_counters(self.device).alloc_retries - flushes_before) / steps

@@ -7,7 +7,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -622,6 +624,66 @@ def test_rows_that_plan_warm_up_past_the_planners_measuring_steps(tmp_path: Path
     assert warmups == {"none": 1, "streamed": SETTLED_WARMUP, "ours-default": PLANNER_WARMUP}
     unsettled = {row["mode"]: row.get("unsettled_timed_steps") for row in result["rows"]}
     assert unsettled == {"none": None, "streamed": None, "ours-default": 0}
+
+
+class _PlannerEngine:
+    """Stands in for an engine whose memory-budget planner keeps everything: like ``offload_activations``'s, the planner
+    resets the device's peak counters as each step begins (``reset``); ``step_ran``: what the step allocated."""
+
+    def __init__(self, reset: Callable[[], None], step_ran: Callable[[], None]) -> None:
+        self.planner = SimpleNamespace(plan=None, trying=False, profile=None)
+        self._reset, self._step_ran = reset, step_ran
+
+    def __enter__(self) -> _PlannerEngine:
+        self._reset()  # the planner's begin_step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._step_ran()
+
+    def collect_stats(self, wait: bool) -> Any:
+        from lightning_offload.stats import OffloadStats
+
+        return OffloadStats()
+
+    @property
+    def stats(self) -> Any:
+        return self.collect_stats(wait=True)
+
+
+def test_a_rows_peaks_are_the_most_over_its_timed_steps_when_its_planner_resets_the_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A planner made by ``offload_activations`` owns the peak counters and resets them as each step begins: a row's
+    peak allocated and reserved are still the most any of its timed steps reached, not the last step's (the CUDA
+    counters are simulated on the CPU)."""
+    import benchmarks.worker as worker
+    from benchmarks.workloads import tiny
+
+    counters = {"allocated": 0.0, "reserved": 0.0}
+
+    def reset(device: object = None) -> None:
+        counters.update(allocated=0.0, reserved=0.0)
+
+    peaks = iter([50, 50, 50, 10, 12, 8])  # GiB: three warm-up steps, then the timed ones
+
+    def step_ran() -> None:
+        peak = next(peaks) * GiB
+        counters.update(allocated=peak, reserved=1.05 * peak)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: counters["reserved"])
+    monkeypatch.setattr(worker, "read_counters", lambda device: SimpleNamespace(alloc_retries=0))
+    monkeypatch.setattr(worker, "allocator_segments", lambda: "expandable")
+    runner = worker.Runner(tiny(WORKLOADS["small-h512"]), 3, 1, True, 1, 1)
+    runner.cuda = True  # the device stays the CPU: clocks and synchronizations as there
+    engine = _PlannerEngine(reset, step_ran)
+    optimizer = torch.optim.AdamW([p for _, p in runner.trainable], lr=1e-5)
+    row: dict[str, Any] = {}
+    runner._measure(MODES["ours-default"], row, lambda: engine, optimizer, engine)
+    assert row["warmup"] == PLANNER_WARMUP and row["steps"] == 3
+    assert row["peak_alloc_gib"] == pytest.approx(12.0) and row["peak_reserved_gib"] == pytest.approx(12.6)
 
 
 def test_a_nan_gradient_is_not_read_as_agreeing_with_none() -> None:
