@@ -1,12 +1,16 @@
 """Activation offloading in a plain PyTorch training loop: the context manager, no Lightning.
 
 Trains the demo transformer (``examples/demo_model.py``) for a few steps, first without offloading, then inside
-``offload_activations``, and prints what was offloaded and the peak memory of each. Without a GPU it runs on the
-CPU with ``compute_device="cpu"`` (the engine copies CPU tensors into host buffers), where CUDA peaks do not exist.
+``offload_activations``, and prints what was offloaded and the peak memory of each. On a GPU the engine gets a memory
+budget below the peak without offloading (70% of it unless ``--memory-budget-gib`` says otherwise), as a model that
+does not fit would: under the default budget (the GPU's memory) a model that fits keeps everything and offloads
+nothing. Without a GPU it runs on the CPU with ``compute_device="cpu"`` (the engine copies CPU tensors into host
+buffers; no budget: planning needs CUDA), where CUDA peaks do not exist.
 
 Examples::
 
     python examples/plain_pytorch.py
+    python examples/plain_pytorch.py --memory-budget-gib 4
     python examples/plain_pytorch.py --mode sync --steps 5
 """
 
@@ -34,6 +38,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--mode", choices=["streamed", "sync", "off"], default="streamed")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even when a GPU is present")
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="the engine's memory_budget on a GPU (default: 70%% of the peak without offloading; streamed mode only)",
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -70,11 +80,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             return torch.cuda.max_memory_allocated() / GiB
         return float("nan")
 
-    # Create the engine once and enter it every step: streams, the host pool and its profile carry over.
-    options = {} if cuda else {"compute_device": "cpu", "min_tensor_bytes": 16 << 10, "resident_tail_bytes": 0}
-    engine = offload_activations(mode=args.mode, model=model, **options)
-
     baseline = peak_of(None)
+    # Create the engine once and enter it every step: streams, the host pool and its profile carry over.
+    options: dict[str, object] = {}
+    if not cuda:
+        options = {"compute_device": "cpu", "min_tensor_bytes": 16 << 10, "resident_tail_bytes": 0}
+    elif args.mode == "streamed":  # a budget below what the model needs, so the planner must save memory
+        budget_gib = args.memory_budget_gib if args.memory_budget_gib is not None else 0.7 * baseline
+        options = {"memory_budget": int(budget_gib * GiB)}
+        print(f"memory_budget: {budget_gib:.2f} GiB (the step peaks at {baseline:.2f} GiB without offloading)")
+    engine = offload_activations(mode=args.mode, model=model, **options)
     offloaded_peak = peak_of(engine)
     stats = engine.stats  # the latest step's counters
     engine.close()  # leave the model as it was (a memory-budget plan may have checkpointed some of its blocks)
