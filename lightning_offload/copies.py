@@ -11,7 +11,7 @@ from torch._C import _WeakTensorRef
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
-    from lightning_offload.host_pool import HostPool
+    from lightning_offload.host_pool import PoolAccount
 
 # Spans are cut at this alignment so a restored view sits at the same address modulo 512 as the original:
 # kernels (cuBLAS among them) pick code paths by alignment, and the arithmetic must stay bit-identical.
@@ -74,7 +74,7 @@ class StorageCopy:
         self.modified = False
         self.state = State.PENDING
         self.host: torch.Tensor | None = None
-        self.pool: HostPool | None = None
+        self.pool: PoolAccount | None = None
         self.fetched: torch.Tensor | None = None  # the span back on the device, once fetched
         # Orders the compute stream after the copy into ``fetched``, for a span let go of before backward waited for
         # it (``None`` once it has, or where no copy is pending): its block may then be reused at once.

@@ -34,7 +34,7 @@ from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, close_step, plan_step, planner_for
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
-from lightning_offload.host_pool import host_limit, pool_for
+from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
 from lightning_offload.outbound import OutboundQueue
@@ -228,7 +228,7 @@ class OffloadEngine:
     def _resolve_device(self) -> None:
         device = self.options.resolved_device() or _no_device()
         self._device = device
-        self._pool = pool_for(device)
+        self._pool = PoolAccount(pool_for(device))  # the process's pool, this engine's figures
         if self.options.mode == "streamed" and device.type != "meta":
             streams = self._streams
             if streams is None:

@@ -113,23 +113,29 @@ class HostPool:
         Raises:
             HostMemoryFull: a new buffer would take the pool past ``limit`` or the machine's RAM headroom.
         """
+        buffer, ready, _ = self.acquire_counted(nbytes, limit)
+        return buffer, ready
+
+    def acquire_counted(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None, bool]:
+        """:meth:`acquire`, and whether the buffer is a new one (allocated, and pinned on CUDA, for this call)."""
         cls = size_class(nbytes)
         with self._lock:
             bucket = self._free.get(cls)
             if bucket:
                 item = bucket.pop()
                 self.in_use_bytes += cls
-                return item.buffer, item.ready
+                return item.buffer, item.ready, False
             self._make_room(cls, limit)
             self.reserved_bytes += cls
             self.in_use_bytes += cls
             self.allocations += 1
         try:
-            return self._allocate(cls), None
+            return self._allocate(cls), None, True
         except BaseException:
             with self._lock:
                 self.reserved_bytes -= cls
                 self.in_use_bytes -= cls
+                self.allocations -= 1
             raise
 
     def release(self, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
@@ -202,6 +208,46 @@ class HostPool:
                 return
 
 
+class PoolAccount:
+    """One engine's account with the process's pool: the buffers it holds and the new ones it had allocated.
+
+    Engines of one process (two models in one loop, each with its own) share the pool; each one's figures must be its
+    own. It hands buffers out and takes them back as the pool does, counting them.
+
+    Args:
+        pool: the process's pool for the engine's device.
+    """
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self.in_use_bytes = 0  # this engine's buffers handed out and not yet given back
+        self.allocations = 0  # new buffers allocated for this engine, ever
+        self._lock = threading.Lock()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Every buffer the pool owns (the process's, not this engine's alone: idle buffers belong to no engine)."""
+        return self.pool.reserved_bytes
+
+    def acquire(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """:meth:`HostPool.acquire`, counted."""
+        buffer, ready, new = self.pool.acquire_counted(nbytes, limit)
+        with self._lock:
+            self.in_use_bytes += buffer.numel()
+            self.allocations += int(new)
+        return buffer, ready
+
+    def release(self, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """:meth:`HostPool.release`, counted."""
+        self.pool.release(buffer, ready)
+        with self._lock:
+            self.in_use_bytes -= buffer.numel()
+
+    def capacity(self, limit: int) -> int:
+        """:meth:`HostPool.capacity`: the pool's, under ``limit``."""
+        return self.pool.capacity(limit)
+
+
 def _ram_to_spare() -> int:
     """The machine's available RAM past the headroom the pool never takes (may be negative)."""
     memory = psutil.virtual_memory()
@@ -237,7 +283,7 @@ def release_host_memory() -> int:
 _DEFAULT_HOST_SHARE = 0.8
 
 
-def host_limit(configured: int | None, pool: HostPool, local_processes: int | None) -> int:
+def host_limit(configured: int | None, pool: HostPool | PoolAccount, local_processes: int | None) -> int:
     """Bytes ``pool`` may hold: ``configured``, or a share of the RAM available now split between the processes.
 
     ``local_processes`` ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_offload.copies import State, StorageCopy
-from lightning_offload.host_pool import HostMemoryFull, HostPool
+from lightning_offload.host_pool import HostMemoryFull, PoolAccount
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
@@ -48,7 +48,7 @@ class OutboundQueue:
     """
 
     def __init__(
-        self, options: OffloadOptions, transfer: Transfer, pool: HostPool, host_limit: Callable[[], int]
+        self, options: OffloadOptions, transfer: Transfer, pool: PoolAccount, host_limit: Callable[[], int]
     ) -> None:
         self.tail = self.default_tail = options.resident_tail_bytes
         self.prefetch_cap = options.prefetch_bytes

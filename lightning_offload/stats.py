@@ -17,9 +17,10 @@ class OffloadStats:
         resident_bytes: eligible bytes kept on the device (the resident tail, pacing, or a full host pool).
         prefetched_bytes: bytes copied host -> device ahead of need in backward.
         fetched_on_demand_bytes: bytes copied host -> device only when backward asked for them.
-        host_bytes_held: host bytes still holding offloaded data at the end of the step.
+        host_bytes_held: host bytes still holding this engine's offloaded data at the end of the step (another
+            engine of the process holds its own).
         host_pinned_bytes: host bytes the process-wide pool owns (pinned on CUDA).
-        host_allocations: new host buffers allocated in this step (0 in steady state).
+        host_allocations: new host buffers allocated for this engine in this step (0 in steady state).
         inflight_bytes: bytes whose device -> host copy may still be running (their sources stay allocated).
         stall_ms: time the compute stream waited for host -> device copies (streamed mode on CUDA).
         d2h_ms: summed duration of device -> host copies (only with ``measure_copies=True``).

@@ -1120,3 +1120,23 @@ def test_end_step_is_refused_inside_the_block_and_harmless_outside() -> None:
     with engine, pytest.raises(RuntimeError, match=r"end_step\(\) inside the engine's block"):
         engine.end_step()
     engine.end_step()
+
+
+@pytest.mark.parametrize("mode", ["sync", "streamed"])
+def test_two_engines_in_one_process_report_their_own_host_figures(mode: str) -> None:
+    """Engines of one process (two models in one loop) share the process's host pool; each one's held bytes and new
+    buffers are its own (engine A's counted engine B's step, taken while A's graph was alive)."""
+    net = nn.Linear(1129, 1129)
+    x = torch.randn(37, 1129, requires_grad=True)  # sizes no earlier test pooled: every buffer here is new
+    options = {"compute_device": "cpu", "memory_budget": None, "min_tensor_bytes": 0, "resident_tail_bytes": 0}
+    a, b = offload_activations(mode=mode, **options), offload_activations(mode=mode, **options)
+    with a:
+        loss_a = torch.tanh(net(x)).sum()
+    with b:
+        loss_b = torch.tanh(net(x)).sum()
+    stats_a, stats_b = a.collect_stats(wait=True), b.collect_stats(wait=True)
+    assert stats_a.offloaded_bytes > 0 and stats_a.offloaded_bytes == stats_b.offloaded_bytes
+    assert stats_a.host_allocations == stats_b.host_allocations > 0
+    assert stats_a.host_bytes_held == stats_b.host_bytes_held >= stats_a.offloaded_bytes
+    (loss_a + loss_b).backward()
+    assert a.collect_stats(wait=True).host_bytes_held == 0 and b.collect_stats(wait=True).host_bytes_held == 0
