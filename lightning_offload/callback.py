@@ -90,7 +90,7 @@ class ActivationOffloadCallback(Callback):
         )
         check_recompute(recompute, call, checkpoint)
         self._manual = RunCheckpointing(checkpoint, call, recompute) if checkpoint is not None else None
-        if checkpoint is not None:
+        if checkpoint is not None and self.options.plans:  # else ``create`` has said why the budget goes unused
             warn_unused_budget("ActivationOffloadCallback", memory_budget, f"checkpoint={checkpoint!r}")
         _check_reporting_args(values)
         self.progress_bar = progress_bar

@@ -80,6 +80,7 @@ def offload_activations(
         # Selected first, quoting this call (the user never called ``apply_checkpointing``); then wrapped.
         names = select_blocks(model, checkpoint, call=f"offload_activations(checkpoint={checkpoint!r})")
         wrap_blocks(model, names, recompute)
-        warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
+        if options.plans:  # else ``create`` has said why the budget goes unused
+            warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes)

@@ -283,6 +283,12 @@ def test_a_budget_given_beside_checkpoint_is_a_warning_naming_both() -> None:
     engine.close()
     with pytest.warns(UserWarning, match=r"ActivationOffloadCallback\(memory_budget='1GiB', checkpoint='auto'\)"):
         ActivationOffloadCallback(checkpoint="auto", memory_budget="1GiB")
+    # With a mode that does not plan either: one warning, the mode's.
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ActivationOffloadCallback(checkpoint="auto", memory_budget="1GiB", mode="sync")
+    calls = [str(w.message).split(":")[0] for w in said]
+    assert calls == ["ActivationOffloadCallback(memory_budget='1GiB', mode='sync')"]
 
 
 def test_byte_options_take_any_integer_type_and_keep_plain_ints() -> None:
