@@ -51,13 +51,30 @@ def _product_ops() -> dict[Any, int]:
 
 def keep_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective-checkpointing policy: keep matrix products (unless their inner dimension is at most
-    :data:`CHEAP_INNER_DIM`), convolutions and attention kernels; recompute everything else."""
+    :data:`CHEAP_INNER_DIM`), convolutions and attention kernels (unless they draw a dropout mask); recompute
+    everything else."""
     index = _product_ops().get(getattr(op, "overloadpacket", op))
-    if index is None:
+    if index is None or _draws_dropout(op, args, kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
     if index >= 0 and isinstance(args[index], torch.Tensor) and args[index].shape[-1] <= CHEAP_INNER_DIM:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
+
+
+def _draws_dropout(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of ``op`` draws random numbers: a ``dropout_p`` argument above 0 (fused attention kernels).
+
+    A kept result is not computed again in the recompute, so a kernel that drew its dropout mask from the random
+    state in forward would not advance it there, and every random operation recomputed after it in the block (a
+    LoRA adapter's dropout, a residual dropout) would draw another mask than forward did: silently wrong gradients.
+    Recomputed instead, it draws what it drew in forward (checkpointing restores the random state first).
+    """
+    schema = getattr(op, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == "dropout_p":
+            value = args[index] if index < len(args) else kwargs.get("dropout_p", 0.0)
+            return bool(value)
+    return False
 
 
 def selective_contexts() -> tuple[Any, Any]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_offload import offload_activations
+from lightning_offload import offload_activations, recompute_policy
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 from lightning_offload.recompute_policy import CHEAP_INNER_DIM, KeptBytes, keep_products
 from tests.models import tiny_llama_config
@@ -193,4 +195,83 @@ def test_dropout_in_a_block_with_elementwise_recompute_is_replayed_exactly() -> 
     torch.manual_seed(1)
     got = _grads(model, x)
     for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
+
+
+def test_attention_that_drops_out_is_recomputed_so_later_dropout_masks_replay_exactly() -> None:
+    """A kept result is not computed again in backward, so an attention kernel that draws its own dropout mask (CUDA's
+    flash, efficient and cuDNN kernels under ``dropout_p > 0``) would not advance the random state in the recompute:
+    every dropout after it in the block (a LoRA adapter's, GPT-2's residual dropout) would draw another mask than in
+    forward, and the gradients would be silently wrong. Such a call is recomputed; without dropout it is kept."""
+    q = torch.zeros(1, 2, 8, 16)
+    kept, recomputed = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep_products(None, aten._scaled_dot_product_flash_attention.default, q, q, q, 0.0) == kept
+    assert keep_products(None, aten._scaled_dot_product_flash_attention.default, q, q, q, 0.1) == recomputed
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert keep_products(None, efficient, q, q, q, None, True) == kept
+    assert keep_products(None, efficient, q, q, q, None, True, 0.1) == recomputed
+    assert keep_products(None, efficient, q, q, q, None, True, dropout_p=0.1) == recomputed
+    cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert keep_products(None, cpu, q, q, q, 0.0, True) == kept
+
+
+@torch.library.custom_op("lightning_offload_tests::dropping_product", mutates_args=())
+def _dropping_product(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """``x @ w`` with dropout drawn inside one kernel, as a fused attention kernel draws its mask (CPU has none)."""
+    return (x @ w) * torch.bernoulli(torch.full((x.shape[0], w.shape[1]), 1 - dropout_p)) / (1 - dropout_p)
+
+
+@_dropping_product.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _dropping_product_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    x, w, out = ctx.saved_tensors
+    mask = (out != 0).to(grad.dtype) / (1 - ctx.dropout_p)  # dropped where the output is 0 (x and w are positive)
+    return (grad * mask) @ w.T, x.T @ (grad * mask), None
+
+
+def _dropping_product_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output)
+    ctx.dropout_p = inputs[2]
+
+
+_dropping_product.register_autograd(_dropping_product_backward, setup_context=_dropping_product_setup)
+
+
+def test_a_kept_kernel_that_draws_dropout_does_not_shift_the_masks_recomputed_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end on the CPU: a kernel kept like attention that draws a dropout mask, a dropout after it in the block;
+    elementwise recompute gives the plain gradients."""
+    op = torch.ops.lightning_offload_tests.dropping_product.default
+    monkeypatch.setitem(recompute_policy._product_ops(), op.overloadpacket, 0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter((torch.rand(WIDTH, WIDTH) + 0.1) / WIDTH)  # tanh of the product not saturated
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + F.dropout(torch.tanh(_dropping_product(x, self.w, 0.2)), 0.5)
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks[1](self.blocks[0](x)).square().mean()
+
+    torch.manual_seed(0)
+    model = Pair()
+    x = torch.rand(ROWS, WIDTH) + 0.1
+    torch.manual_seed(1)
+    expected = _grads(model, x)
+    apply_checkpointing(model, "Block", recompute="elementwise")
+    torch.manual_seed(1)
+    got = _grads(model, x)
+    for name, grad in expected.items():
+        assert grad.abs().max() > 0, name
         assert torch.equal(got[name], grad), name
