@@ -275,3 +275,45 @@ def test_a_kept_kernel_that_draws_dropout_does_not_shift_the_masks_recomputed_af
     for name, grad in expected.items():
         assert grad.abs().max() > 0, name
         assert torch.equal(got[name], grad), name
+
+
+class DroppingAttentionBlock(nn.Module):
+    """Attention that drops out (a fused CUDA kernel draws the mask), then an adapter behind dropout."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.adapter = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+        attended = attended.transpose(1, 2).reshape(batch, seq, width)
+        return x + self.adapter(F.dropout(attended, 0.3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_elementwise_recompute_replays_the_dropout_masks_after_attention_that_drops_out_on_the_gpu() -> None:
+    """On CUDA the attention kernel draws its own dropout mask; kept (not recomputed), it would leave the random state
+    behind in the recompute and the adapter's dropout after it would draw another mask: gradients off by the mask, not
+    by rounding. Where two plain runs already differ (attention backward kernels may accumulate atomically), the
+    checkpointed run may differ by no more than they do."""
+
+    def grads(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.ModuleList(DroppingAttentionBlock() for _ in range(2))).cuda().to(torch.bfloat16)
+        blocks = model[0]
+        if checkpointed:
+            apply_checkpointing(model, "DroppingAttentionBlock", recompute="elementwise")
+        x = torch.randn(2, 256, 64, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.manual_seed(1)
+        blocks[1](blocks[0](x)).float().square().mean().backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    plain, again, checkpointed = grads(False), grads(False), grads(True)
+    for name, grad in plain.items():
+        noise = (grad - again[name]).abs().max()
+        assert (checkpointed[name] - grad).abs().max() <= noise, (name, noise)
