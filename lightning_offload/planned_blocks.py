@@ -96,12 +96,23 @@ class PlannedBlocks:
 
     def leave_to_the_user(self) -> bool:
         """Where the user checkpoints the blocks already (``apply_checkpointing``, or Hugging Face's
-        ``gradient_checkpointing_enable``), leave them to the user: take off this object's own wrappers and manage no
-        block from now on (plans then only offload). Whether it did."""
+        ``gradient_checkpointing_enable``), or modules inside them (their MLPs, say), leave them to the user: take off
+        this object's own wrappers and manage no block from now on (plans then only offload). Whether it did.
+
+        A module inside a block counts too: checkpointing blocks by their parts would otherwise take over such a part
+        (switching its ``recompute``) and, switching back or removed, take the user's wrapper off with its own."""
         if self._model is not None and _checkpoints_itself(self._model):
             theirs = [name for name, _ in self.blocks]
         else:
-            theirs = [name for name, block in self.blocks if name not in self._wrapped and is_checkpointed(block)]
+            ours = set(self._wrapped)
+            theirs = [
+                name
+                for name, block in self.blocks
+                if any(
+                    is_checkpointed(module) and (f"{name}.{inner}" if inner else name) not in ours
+                    for inner, module in block.named_modules()
+                )
+            ]
         if not theirs:
             return False
         self.remove()

@@ -377,6 +377,21 @@ def test_blocks_the_user_checkpoints_are_left_to_the_user() -> None:
     assert checkpointed_modules(model) == ["blocks.2"]
 
 
+def test_blocks_whose_parts_the_user_checkpoints_are_left_to_the_user() -> None:
+    """The user checkpoints a part of every block (a decoder layer's MLP, with elementwise recompute): the planner,
+    checkpointing blocks by their parts or whole and then removed, never switches nor removes the user's wrappers."""
+    model = parts_stack()
+    apply_checkpointing(model, [f"blocks.{i}.second" for i in range(4)], recompute="elementwise")
+    user = checkpointed_modules(model)
+    blocks = PlannedBlocks(model)
+    for split in (True, False):
+        blocks.checkpoint_last(3, split=split)
+        assert checkpointed_modules(model) == user
+        assert all(block.second.__dict__["forward"].recompute == "elementwise" for block in model.blocks)
+    blocks.remove()
+    assert checkpointed_modules(model) == user
+
+
 def test_a_model_that_checkpoints_itself_is_left_to_it_even_when_it_starts_later() -> None:
     """Hugging Face's ``gradient_checkpointing_enable()`` sets ``gradient_checkpointing`` on the model (or its
     layers); switched on after the planner checkpointed blocks, the planner takes its own wrappers off at its next
