@@ -14,7 +14,8 @@ Torch only: no Lightning import.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,10 @@ class PlannedBlocks:
     def __init__(self, model: nn.Module | None, clock: Any = None) -> None:
         self._model = model
         self.blocks = _blocks_of(model)
-        self.parts = [_parts_of(name, block) for name, block in self.blocks]
+        # Modules the model holds in more than one place (one shared by every block): no block's parts.
+        places = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False)) if model is not None else {}
+        shared = {key for key, count in places.items() if count > 1}
+        self.parts = [_parts_of(name, block, shared) for name, block in self.blocks]
         self.checkpointed: list[str] = []  # the blocks checkpointed (whole, or by their parts where ``split``)
         self.split = False
         self.light: list[str] = []  # the blocks checkpointed with elementwise recompute (their products kept)
@@ -305,17 +309,20 @@ def _first_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
     return next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
-def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+def _parts_of(name: str, block: nn.Module, shared: Container[int] = frozenset()) -> list[tuple[str, nn.Module]]:
     """A block's parts, by qualified name: its children that hold weights (what it computes with no weights of its
     own, residual additions, activations between parts, saves through the planner's hooks as it would anyway).
     Containers have no forward of their own and are not parts; nor are single linear or embedding layers, which save
     only their input anyway (checkpointed, they would save the same and compute twice). A block whose parts hold less
     than half its weights (its own forward does most of the work with plain linear layers) has none: checkpointed by
-    them, it would offload nearly all it saves."""
+    them, it would offload nearly all it saves. Nor are modules the model holds in more than one place (``shared``:
+    their ids), such as one shared by every block: a wrapper is the module's, so it would checkpoint every call of it,
+    and under all blocks but one the module has no qualified name to wrap it by."""
     parts = [
         (f"{name}.{child_name}", child)
         for child_name, child in block.named_children()
         if not isinstance(child, nn.ModuleList | nn.ModuleDict | nn.Linear | nn.Embedding)
+        and id(child) not in shared
         and any(True for _ in child.parameters())
     ]
     in_parts = sum(p.numel() for _, part in parts for p in part.parameters())

@@ -163,6 +163,36 @@ def test_blocks_checkpointed_by_their_parts_wrap_each_part_and_come_off_again() 
     assert checkpointed_modules(model) == [] and blocks.checkpointed == [] and not blocks.split
 
 
+def test_a_module_the_blocks_share_is_no_part_and_blocks_by_parts_keep_the_plain_gradients() -> None:
+    """One module held by every block (shared weights) has no qualified name under each block, and its wrapper would
+    checkpoint every block's call of it: it is no part, and blocks by their parts checkpoint their own parts only."""
+    shared = Mix(WIDTH, 4)
+
+    class SharingBlock(PartsBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + self.shared(x)
+
+    torch.manual_seed(0)
+    model = Stack(SharingBlock)
+    x = torch.randn(BATCH, WIDTH)
+    model(x).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    blocks = PlannedBlocks(model)
+    assert [name for name, _ in blocks.parts[1]] == ["blocks.1.first", "blocks.1.second"]
+    model.zero_grad(set_to_none=True)
+    blocks.checkpoint_last(2, split=True)
+    assert checkpointed_modules(model) == ["blocks.2.first", "blocks.2.second", "blocks.3.first", "blocks.3.second"]
+    model(x).backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name]), name
+    blocks.remove()
+    assert checkpointed_modules(model) == []
+
+
 def test_blocks_without_parts_worth_checkpointing_are_checkpointed_whole() -> None:
     """Plain linear layers save only their input: a block made of them (``Block``) has no parts, and asking for parts
     checkpoints it whole."""
