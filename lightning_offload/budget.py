@@ -127,6 +127,13 @@ def process_capacity(memory: Any) -> int | None:
     return int(read()) if read is not None else None
 
 
+def check_measuring_steps(measuring_steps: Any) -> None:
+    """Refuse a ``replan(measuring_steps=...)`` that is not a count of steps, naming it."""
+    # A bool is an int to Python, and a float would count down past 0 (1.5 measured two steps): neither is a count.
+    if isinstance(measuring_steps, bool) or not isinstance(measuring_steps, int) or measuring_steps < 1:
+        raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
+
+
 class BudgetPlanner:
     """Measures a step, then chooses and applies each step's plan under ``budget`` bytes.
 
@@ -327,9 +334,7 @@ class BudgetPlanner:
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again at the next ``measuring_steps`` steps (the input's shape changed, or the model did; 2 when
         the optimizer is new too: it allocates its state in its first step)."""
-        # A bool is an int to Python, and a float would count down past 0 (1.5 measured two steps): neither is a count.
-        if isinstance(measuring_steps, bool) or not isinstance(measuring_steps, int) or measuring_steps < 1:
-            raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
+        check_measuring_steps(measuring_steps)
         # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
         self.abandon_step()
         self.profile = None

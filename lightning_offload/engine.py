@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, close_step, plan_step, planner_for
+from lightning_offload.budget import BudgetPlanner, check_measuring_steps, close_step, plan_step, planner_for
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
@@ -255,8 +255,7 @@ class OffloadEngine:
         Raises:
             ValueError: ``measuring_steps`` is not a positive int (also without a planner, where the call does nothing).
         """
-        if isinstance(measuring_steps, bool) or not isinstance(measuring_steps, int) or measuring_steps < 1:
-            raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
+        check_measuring_steps(measuring_steps)  # without a planner too: the call is wrong either way
         if self.planner is not None:
             self.planner.replan(measuring_steps)
 

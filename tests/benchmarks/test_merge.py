@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from benchmarks.merge import main, merge
 from benchmarks.workloads import CAPACITY_MODELS, WORKLOADS
@@ -114,22 +115,30 @@ def test_a_capacity_run_of_one_mode_keeps_the_other_modes_of_an_earlier_run() ->
     assert result["source_run"] == "ac from cap-b, ours-budget from cap-a"
 
 
+def _with_ac_search(run: dict, ac_complete: bool, **ac: Any) -> dict:
+    """``run`` with ours' search finished and AC's ``complete`` as given, its fields updated with ``ac``."""
+    for search in run["capacity"][0]["searches"]:
+        search["complete"] = ac_complete or search["mode"] != "ac"
+        if search["mode"] == "ac":
+            search.update(ac)
+    return run
+
+
+def _kept_at(merged: dict, cap: int) -> tuple[dict, dict[str, int]]:
+    """The merged capacity result at ``cap`` and the longest sequence of each mode's search kept."""
+    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == cap]
+    return result, {s["mode"]: s["longest"] for s in result["searches"]}
+
+
+_CUT_SHORT = {"upper": None, "first_fail": None, "status": "incomplete: deadline"}
+
+
 def test_a_search_cut_short_does_not_replace_one_that_finished() -> None:
     """A later run whose AC search its deadline cut short keeps the earlier, finished AC search; its own finished
     search of ours replaces the earlier one."""
-    a = _capacity_run("cap-a", {8: 92160})
-    b = _capacity_run("cap-b", {8: 98304})
-    for search in a["capacity"][0]["searches"]:
-        search["complete"] = True
-        if search["mode"] == "ac":
-            search.update(longest=49152, upper=49152)
-    for search in b["capacity"][0]["searches"]:
-        search["complete"] = search["mode"] != "ac"
-        if search["mode"] == "ac":
-            search.update(longest=45056, upper=None, first_fail=None, status="incomplete: deadline")
-    merged = merge([a, b], "dev")
-    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 8]
-    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    a = _with_ac_search(_capacity_run("cap-a", {8: 92160}), True, longest=49152, upper=49152)
+    b = _with_ac_search(_capacity_run("cap-b", {8: 98304}), False, longest=45056, **_CUT_SHORT)
+    result, longest = _kept_at(merge([a, b], "dev"), 8)
     assert longest == {"ac": 49152, "ours-budget": 98304}
     assert result["source_run"] == "ac from cap-a, ours-budget from cap-b"
     assert set(result["run_walls"]) == {"cap-a", "cap-b"}  # both runs' searches are kept, so both workers count
@@ -139,18 +148,9 @@ def test_of_two_searches_cut_short_the_one_that_got_further_is_kept() -> None:
     """Two AC searches both cut short by their deadlines: the one that got further (a longer sequence trained) is
     kept, whichever run came last; ours, finished in the later run, comes from it."""
     a = _capacity_run("cap-a", {80: 43008})
-    b = _capacity_run("cap-b", {80: 43008})
-    for search in a["capacity"][0]["searches"]:
-        search["complete"] = search["mode"] != "ac"
-        if search["mode"] == "ac":
-            search.update(longest=36864, upper=38912, status="incomplete: deadline")
-    for search in b["capacity"][0]["searches"]:
-        search["complete"] = search["mode"] != "ac"
-        if search["mode"] == "ac":
-            search.update(longest=24576, upper=None, first_fail=None, status="incomplete: deadline")
-    merged = merge([a, b], "dev")
-    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 80]
-    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    a = _with_ac_search(a, False, longest=36864, upper=38912, status="incomplete: deadline")
+    b = _with_ac_search(_capacity_run("cap-b", {80: 43008}), False, longest=24576, **_CUT_SHORT)
+    result, longest = _kept_at(merge([a, b], "dev"), 80)
     assert longest == {"ac": 36864, "ours-budget": 43008}
     assert result["source_run"] == "ac from cap-a, ours-budget from cap-b"
 
@@ -159,18 +159,11 @@ def test_a_search_cut_short_that_trained_longer_replaces_a_finished_one_it_contr
     """An earlier, finished AC search says 10240 is the longest (12288 ran out of memory); a later one cut short by its
     deadline trained 14336: the later one is kept, so the report neither claims 10240 exact nor B3 met by ours' 12288
     against it."""
-    a = _capacity_run("cap-a", {24: 12288})
-    b = _capacity_run("cap-b", {24: 12288})
-    for search in a["capacity"][0]["searches"]:
-        search["complete"] = True
-    for search in b["capacity"][0]["searches"]:
-        search["complete"] = search["mode"] != "ac"
-        if search["mode"] == "ac":
-            search.update(longest=14336, upper=None, first_fail=None, status="incomplete: deadline")
-            search["probes"] = [{"seq": 14336, "fits": True}]
+    a = _with_ac_search(_capacity_run("cap-a", {24: 12288}), True)
+    probes = [{"seq": 14336, "fits": True}]
+    b = _with_ac_search(_capacity_run("cap-b", {24: 12288}), False, longest=14336, probes=probes, **_CUT_SHORT)
     merged = merge([a, b], "dev")
-    (result,) = [r for r in merged["capacity"] if r["cap_gib"] == 24]
-    longest = {s["mode"]: s["longest"] for s in result["searches"]}
+    _, longest = _kept_at(merged, 24)
     assert longest == {"ac": 14336, "ours-budget": 12288}
     b3 = next(v for v in merged["capacity_verdicts"] if v["key"] == "B3")
     assert b3["status"] == "missed" and "ac >= 14336" in b3["detail"]
