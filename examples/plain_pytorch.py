@@ -92,10 +92,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     engine = offload_activations(mode=args.mode, model=model, **options)
     offloaded_peak = peak_of(engine)
     stats = engine.stats  # the latest step's counters
+    # Under a budget the planner may keep everything and checkpoint blocks instead: such a step installs no hooks,
+    # so its counters are zero and only the plan says what it did.
+    planner = engine.planner
+    plan = planner.plan.describe(planner.budget) if planner is not None and planner.plan is not None else None
     engine.close()  # leave the model as it was (a memory-budget plan may have checkpointed some of its blocks)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU (compute_device=cpu)'}, mode {args.mode!r}")
+    if plan is not None:
+        print(f"plan: {plan}")
     print(
-        f"latest step: {stats.saved_tensors} tensors saved, {stats.offloaded_tensors} offloaded "
+        f"latest step: {stats.saved_tensors} tensors saved through the hooks, {stats.offloaded_tensors} offloaded "
         f"({stats.offloaded_bytes / GiB:.4f} GiB), {stats.resident_bytes / GiB:.4f} GiB kept resident, "
         f"{stats.prefetched_bytes / GiB:.4f} GiB prefetched, {stats.fetched_on_demand_bytes / GiB:.4f} GiB on demand, "
         f"host pool {stats.host_pinned_bytes / GiB:.4f} GiB"
