@@ -1,12 +1,14 @@
 """Inputs whose length changes every step (padding to each batch's longest) under a memory budget, on one GPU.
 
-Arms: ``replan_every_change`` (what the callback does: ``replan()`` at every change of shape, so every step measures)
-and ``next_input`` (a smaller input runs the plan of the larger one measured; needs ``OffloadEngine.next_input`` of
-commit 481e20e, reverted after this measurement). The small-vocab capacity model, lengths drawn from 8192-16384 in
-steps of 512, a 6 GiB budget. Per step: whether it measured, whether a plan was under trial, GiB offloaded, new host
-buffers pinned, the plan. Run one arm per process (the host pool is the process's)::
+Arms: ``input_changed`` (what the callback does: ``input_changed(shape)`` before every step, so each new length is
+measured once and a length met before runs its own plan), ``replan_every_change`` (the behaviour before it:
+``replan()`` at every change of shape, so every step measures) and ``fixed`` (every step at the lengths' median: the
+pace a run of one length reaches). The small-vocab capacity model under a 6 GiB budget; lengths drawn from
+``low``-``high`` in steps of ``step`` tokens. Per step: whether it measured, whether a plan was under trial, GiB
+offloaded, new host buffers pinned, the plan. Run one arm per process (the host pool is the process's)::
 
-    python -m benchmarks.dynamic_lengths out.json replan_every_change
+    python -m benchmarks.dynamic_lengths out.json input_changed [steps low high step]
+    python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
 """
 
 import json
@@ -22,28 +24,28 @@ from benchmarks.workloads import CAPACITY_MODELS
 from lightning_offload import offload_activations
 
 out, arms = sys.argv[1], sys.argv[2].split(",")
+steps, low, high, step = (int(v) for v in sys.argv[3:7]) if len(sys.argv) > 3 else (24, 8192, 16384, 512)
 device = torch.device("cuda")
-steps, low, high, budget = 24, 8192, 16384, "6GiB"
+budget = "6GiB"
 rng = random.Random(0)
-lengths = [rng.randrange(low, high + 1, 512) for _ in range(steps)]
+drawn = [rng.randrange(low, high + 1, step) for _ in range(steps)]
 bench = build(CAPACITY_MODELS["smallvocab-h1024"], device, max_seq=high)
 vocab = 256
-results = {"lengths": lengths, "budget": budget}
+results = {"lengths": drawn, "budget": budget}
 for arm in arms:
     torch.cuda.empty_cache()
     model = bench.module
+    lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     off = offload_activations(model=model, memory_budget=budget)
-    if arm == "next_input" and not hasattr(off, "next_input"):
-        sys.exit("the next_input arm needs OffloadEngine.next_input (commit 481e20e, reverted)")
     measured, times, previous, info = [], [], None, []
     torch.cuda.reset_peak_memory_stats()
     for n in lengths:
         ids = torch.randint(0, vocab, (1, n), device=device)
-        if arm == "next_input":
-            off.next_input(ids)  # type: ignore[attr-defined]
-        elif previous is not None and n != previous:
+        if arm == "replan_every_change" and previous is not None and n != previous:
             off.replan()
+        elif arm != "replan_every_change":
+            off.input_changed(tuple(ids.shape))
         previous = n
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -72,6 +74,7 @@ for arm in arms:
     del optimizer
     later = times[4:]
     results[arm] = {
+        "lengths": lengths,
         "measuring_steps": sum(measured),
         "measured": measured,
         "info": info,
@@ -95,7 +98,7 @@ for arm in arms:
 for arm in arms:
     print(arm)
     r = results[arm]
-    for n, m, t, i in zip(lengths, r["measured"], r["step_s"], r["info"], strict=True):
+    for n, m, t, i in zip(r["lengths"], r["measured"], r["step_s"], r["info"], strict=True):
         flags = f"{'M' if m else ' '} {'T' if i['trying'] else ' '}"
         print(
             f"  {n:6d} {flags} {t:6.2f} s off {i['offload_gib']:5.2f} new {i['new_host_buffers']:3d}"

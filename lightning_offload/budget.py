@@ -1,18 +1,18 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
-The first two steps (and the first after :meth:`BudgetPlanner.replan`, e.g. a new input shape) are measuring steps: each
-counts what forward saves block by block and times forward's and backward's compute (waits for copies excluded). Under a
-budget the user gave, they offload everything from the first saved tensor and checkpoint every repeated block, but the
-first of them runs the second block in full (what a block saves, and what each of its parts saves): the most frugal
-steps there are, and their peaks are the step's own (weights, optimizer state, the loss's transient); the profile is
-extrapolated to no checkpointing from the block run in full. The first checkpoints the other blocks by their parts
-(:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time in backward, not a whole block); the second
-checkpoints them whole, where the first step's numbers say a block rebuilt whole fits, else by parts again. Under the
-device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no
-cost. Two, because the optimizer allocates its state in the first step. From that profile
-:func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
-the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
-pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
+The first two steps (and the first of each new input, :meth:`BudgetPlanner.input_changed`, or after
+:meth:`BudgetPlanner.replan`) are measuring steps: each counts what forward saves block by block and times forward's and
+backward's compute (waits for copies excluded). Under a budget the user gave, they offload everything from the first
+saved tensor and checkpoint every repeated block, but the first of them runs the second block in full (what a block
+saves, and what each of its parts saves): the most frugal steps there are, and their peaks are the step's own (weights,
+optimizer state, the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. The
+first checkpoints the other blocks by their parts (:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time
+in backward, not a whole block); the second checkpoints them whole, where the first step's numbers say a block rebuilt
+whole fits, else by parts again. Under the device's own budget they keep everything unless memory passes a watermark, so
+a model that fits is measured at no cost. Two, because the optimizer allocates its state in the first step. From that
+profile :func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are
+checkpointed; the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a
+model that fits pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
 (:func:`~lightning_offload.schedule.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
 each run a few steps (:mod:`~lightning_offload.plan_trials`), timed on the device from step start to step start, and the
 fastest is kept: the model prices recompute and the link, not the host's hooks, copies slowing compute or the allocator
@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -112,6 +113,23 @@ _WAIT_NOISE_SHARE = 0.05
 
 
 _CAPACITY_ROUNDING = 1 << 20
+# Inputs whose plans are kept while other inputs run (see BudgetPlanner.input_changed): lengths that change from batch
+# to batch (padded to each batch's longest, or bucketed) come back, and one met again runs its plan without measuring.
+_REMEMBERED_INPUTS = 32
+_NO_INPUT: Any = object()  # no input named yet
+
+
+@dataclasses.dataclass
+class _InputPlan:
+    """What the planner learnt of one input: its measured profile, the plan it chose and the trials that led there."""
+
+    profile: StepProfile
+    plan: Plan
+    trials: PlanTrials
+    full_block: BlockSizes | None
+    measured_peaks: tuple[int, int, int, bool]
+    reserved_gap: int
+    base: int
 
 
 def default_budget(total: int) -> int:
@@ -214,6 +232,8 @@ class BudgetPlanner:
         # The next planned step that times no plan is a newly kept plan's first: see _cache_worth_emptying.
         self._settling = False
         self._release_cache = False  # ... and it found the cache worth emptying before the step after it
+        self._input: Any = _NO_INPUT  # the input the current profile is of (see input_changed)
+        self._remembered: OrderedDict[Hashable, _InputPlan] = OrderedDict()  # other inputs' plans, oldest first
 
     @property
     def measuring(self) -> bool:
@@ -333,10 +353,74 @@ class BudgetPlanner:
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again at the next ``measuring_steps`` steps (the input's shape changed, or the model did; 2 when
-        the optimizer is new too: it allocates its state in its first step)."""
+        the optimizer is new too: it allocates its state in its first step). The plans of other inputs that
+        :meth:`input_changed` kept are forgotten too: what changed may be the model."""
         check_measuring_steps(measuring_steps)
         # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
         self.abandon_step()
+        self._remembered.clear()
+        self._forget_input(measuring_steps)
+
+    @property
+    def input_key(self) -> Hashable:
+        """The input named by the latest :meth:`input_changed` (``None`` before any)."""
+        return None if self._input is _NO_INPUT else self._input
+
+    def input_changed(self, key: Hashable) -> bool:
+        """The next step's input is ``key`` (its tensors' shapes, say). A new input is measured at the next step, as
+        after :meth:`replan`; one met before runs the plan it had then (its trials go on where they stopped), without
+        measuring: inputs whose length changes from batch to batch would otherwise measure at every step, and a
+        measuring step is the most frugal there is. The plan of the input left is kept (up to ``_REMEMBERED_INPUTS``
+        inputs, the least recently run forgotten first) where it had one.
+
+        Call it between steps, after the step of the old input was closed (the engine's ``end_step``): that step
+        counts for the old input. The first call before any step only names the input.
+
+        Returns:
+            Whether the next step measures.
+        """
+        if key == self._input:
+            return self.profile is None or self._measure_left > 0
+        previous, self._input = self._input, key
+        if previous is _NO_INPUT and self.step == 0:
+            return True  # the first steps measure anyway
+        self.abandon_step()  # (a step still open here ran the old input, and its caller did not close it)
+        plan, profile = self.plan, self.profile
+        if previous is not _NO_INPUT and plan is not None and profile is not None and self._measure_left <= 0:
+            self._remembered[previous] = _InputPlan(
+                profile,
+                plan,
+                self._trials,
+                self._full_block,
+                self._measured_peaks,
+                self._reserved_gap,
+                self._base,
+            )
+            self._remembered.move_to_end(previous)
+            while len(self._remembered) > _REMEMBERED_INPUTS:
+                self._remembered.popitem(last=False)
+        kept = self._remembered.pop(key, None)
+        if kept is None or self._measure_left > 0:
+            self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
+            self._forget_input(1)
+            return True
+        # What planned steps of other inputs taught about the machine counts here too (as in a new measurement).
+        self.profile = dataclasses.replace(
+            kept.profile,
+            link_share=min(kept.profile.link_share, self._link_share),
+            copy_ms_per_gib=max(kept.profile.copy_ms_per_gib, self._copy_ms_per_gib),
+        )
+        self.plan, self._trials, self._full_block = kept.plan, kept.trials, kept.full_block
+        self._measured_peaks, self._reserved_gap, self._base = kept.measured_peaks, kept.reserved_gap, kept.base
+        self._plan_since = None  # the steps since it last ran ran other plans
+        self._slow_forward = None
+        self._settling = self._release_cache = False
+        if self.profile != kept.profile:
+            self._choose()
+        return False
+
+    def _forget_input(self, measuring_steps: int) -> None:
+        """Drop the current input's profile and plan: the next ``measuring_steps`` steps measure."""
         self.profile = None
         # The plan held is the old input's: steps from here on (measuring ones first) did not run it, even where the
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).

@@ -104,7 +104,6 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = True
         self._last_stats = OffloadStats()
         self._batch_started = False
-        self._shapes: tuple[Any, ...] | None = None  # the latest batch's tensor shapes: a change is planned anew
 
     @property
     def stats(self) -> OffloadStats:
@@ -157,7 +156,6 @@ class ActivationOffloadCallback(Callback):
         # LOCAL_WORLD_SIZE, so the count comes from the trainer.
         self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
         self._active = True
-        self._shapes = None
         self._reporter.start_fit(device)
 
     @override
@@ -196,10 +194,9 @@ class ActivationOffloadCallback(Callback):
         self._batch_started = True
         picture = self._picture
         self._plain_batch = picture is not None and not picture.offload_batch()
-        shapes = _shapes(batch)
-        if self._shapes is not None and shapes != self._shapes:
-            engine.replan()  # a new input shape: the plan of the old one may not fit, or may waste time
-        self._shapes = shapes
+        # A new input shape is measured (the old one's plan may not fit, or may waste time); one met before runs the
+        # plan it had (lengths that change from batch to batch would otherwise measure at every step).
+        engine.input_changed(_shapes(batch))
         if self._plain_batch:
             engine.end_step()  # the planner's step before this batch ends here: this batch's peak is not its
         elif not engine.installed:

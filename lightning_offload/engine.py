@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -91,6 +92,7 @@ class OffloadEngine:
         self._allocations_at_start = 0
         self._host_limit: int | None = None
         self._log = SaveLog()
+        self._first_input: Any = None  # the input named before the planner existed (see input_changed)
         self._counted: list[StorageCopy] = []  # mode="off": what the open forward would offload (kept for dedup)
 
     @property
@@ -110,6 +112,8 @@ class OffloadEngine:
         self._end_forward()  # a forward that never got its backward ends here, and counts in its own step
         if self._device is None:
             self._resolve_device()
+            if self.planner is not None and self._first_input is not None:
+                self.planner.input_changed(self._first_input)
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
         if self._settling is not None and self._settling.step_begins():
             _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied")
@@ -248,9 +252,33 @@ class OffloadEngine:
         allocator switched (and emptied its cache) here."""
         return self.options.mode != "off" and self._device is not None and use_expandable_segments(self._device)
 
+    def input_changed(self, key: Hashable) -> None:
+        """Name the next step's input, e.g. ``tuple(batch.shape)`` (call it before each step, outside the block): under
+        a memory budget a new input is measured before it is planned (its shapes save other bytes), and an input met
+        before runs the plan it had then, without measuring again. Inputs whose length changes from batch to batch
+        would otherwise measure at every step, each measuring step the most frugal there is. Without a planner it does
+        nothing.
+
+        Raises:
+            RuntimeError: called inside the engine's block.
+            TypeError: ``key`` is not hashable.
+        """
+        hash(key)  # refused before anything changes
+        if self._active:
+            raise RuntimeError("offload_activations(): input_changed() inside the engine's block; call it before it")
+        planner = self.planner
+        if planner is None:
+            self._first_input = key  # named to the planner once the first step makes it
+            return
+        if key == planner.input_key:
+            return
+        self.end_step()  # the step before ran the old input: it counts for that one
+        planner.input_changed(key)
+
     def replan(self, measuring_steps: int = 1) -> None:
-        """Measure again before planning (call it when the input's shape changes): ``measuring_steps`` steps, 2 when
-        the optimizer is new too (it allocates its state in its first step).
+        """Measure again before planning (call it when the model or the optimizer changes; for a new input shape,
+        :meth:`input_changed`): ``measuring_steps`` steps, 2 when the optimizer is new too (it allocates its state in
+        its first step). The plans kept for other inputs are forgotten too.
 
         Raises:
             ValueError: ``measuring_steps`` is not a positive int (also without a planner, where the call does nothing).

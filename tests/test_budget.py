@@ -1218,6 +1218,96 @@ def test_replan_measures_again() -> None:
         engine.replan(measuring_steps=0)
 
 
+def step_on(engine: OffloadEngine, model: nn.Module, x: torch.Tensor, key: Any = None) -> dict[str, Any]:
+    """One step on ``x``, named to the engine as ``key`` (its shape by default) first; its grads, whether it measured,
+    and the eligible bytes of the profile it planned from (``None`` while measuring)."""
+    engine.input_changed(tuple(x.shape) if key is None else key)
+    model.zero_grad(set_to_none=True)
+    with engine:
+        planner = engine.planner
+        assert planner is not None
+        measuring = planner.measuring
+        profile = planner.profile
+        loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    eligible = None if measuring or profile is None else profile.eligible
+    return {"grads": grads, "measuring": measuring, "eligible": eligible}
+
+
+def test_an_input_met_before_runs_its_own_plan_without_measuring_again() -> None:
+    """Inputs whose length changes from batch to batch: each new one is measured once, and one that comes back runs
+    the plan made from its own profile at once (it measured at every change before: the most frugal step there is, at
+    every step). The step before a change counts for the input it ran: it is not dropped."""
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    small, large = torch.randn(BATCH, WIDTH), torch.randn(2 * BATCH, WIDTH)
+    order = [small, small, large, small, large, small, large, large]
+    steps = [step_on(engine, model, x) for x in order]
+    assert [s["measuring"] for s in steps] == [True, True, True, False, False, False, False, False]
+    eligible = {len(x): activation_bytes(x) for x in (small, large)}
+    assert [s["eligible"] for s in steps[3:]] == [eligible[len(x)] for x in order[3:]]
+    assert engine.planner is not None and engine.planner.input_key == tuple(large.shape)
+    for x, s in zip(order, steps, strict=True):
+        assert_same_grads(s["grads"], reference_grads(x))
+
+
+def test_the_input_named_before_the_first_step_is_the_first_steps() -> None:
+    """The planner is made as the first step begins: the input named before it is handed on, so the second step of the
+    same input measures on as the second measuring step (every block checkpointed: the first ran one in full), not as
+    a new input's first (one block in full again)."""
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    step_on(engine, model, x)
+    assert engine.planner is not None and engine.planner.input_key == tuple(x.shape)
+    engine.input_changed(tuple(x.shape))
+    with engine:
+        checkpointed = checkpointed_modules(model)
+        loss = model(x)
+    loss.backward()
+    assert engine.planner.measuring or engine.planner.profile is None
+    assert sorted(checkpointed) == EVERY_BLOCK
+
+
+def test_replan_forgets_the_plans_kept_for_other_inputs() -> None:
+    """``replan()`` says the model or the optimizer changed: no input's plan is taken up again unmeasured."""
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    small, large = torch.randn(BATCH, WIDTH), torch.randn(2 * BATCH, WIDTH)
+    for x in (small, small, large, large):
+        step_on(engine, model, x)
+    engine.replan()
+    assert [step_on(engine, model, x)["measuring"] for x in (small, small, large, large)] == [True, False, True, False]
+
+
+def test_the_plan_trials_of_an_input_go_on_where_they_stopped_when_it_comes_back() -> None:
+    """An input left while its plans were under trial keeps its timed steps: coming back, the same trials go on (they
+    are not started over, nor is the input measured again)."""
+    x = torch.randn(BATCH, WIDTH)
+    _, model, _, engine = slow_hooked_engine(x, trials=True)
+    for _ in range(4):  # two measuring steps, then trials
+        step_on(engine, model, x, key="a")
+    planner = engine.planner
+    assert planner is not None and planner.trying
+    plan = planner.plan
+    step_on(engine, model, x, key="a")  # closed by the change below: it counts for "a"
+    timed = planner.trial_steps
+    assert sum(len(ms) for *_, ms in timed) >= 1
+    assert step_on(engine, model, x, key="b")["measuring"]
+    back = step_on(engine, model, x, key="a")
+    assert not back["measuring"] and planner.trying and planner.plan == plan
+    assert [entry[:3] for entry in planner.trial_steps] == [entry[:3] for entry in timed]
+    assert [ms[: len(before)] for (*_, ms), (*_, before) in zip(planner.trial_steps, timed, strict=True)] == [
+        before for *_, before in timed
+    ]
+
+
+def test_input_changed_is_refused_inside_the_block_and_for_a_key_that_cannot_be_kept() -> None:
+    _, _, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    with pytest.raises(TypeError, match="unhashable"):
+        engine.input_changed([BATCH, WIDTH])
+    with engine, pytest.raises(RuntimeError, match=r"input_changed\(\) inside the engine's block"):
+        engine.input_changed((BATCH, WIDTH))
+
+
 def test_under_the_devices_own_budget_the_measuring_step_offloads_from_its_watermark() -> None:
     """With ``memory_budget="auto"`` the first step keeps everything until allocated memory passes the budget less a
     tenth; from there on everything saved so far and after leaves: free where the model fits, safe where it does not.

@@ -1241,6 +1241,21 @@ def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
 
 
+def test_input_lengths_that_come_back_run_their_own_plans_without_measuring_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches whose shape alternates (lengths padded per batch, or buckets): each shape is measured once, then runs
+    its own plan whenever it comes back. Before, every change of shape measured again, so such a run measured (and ran
+    the most frugal step there is) at every batch."""
+    plan_on_cpu(monkeypatch)
+    callback = offload_callback(memory_budget="8GiB")
+    small, large = batches(1), batches(1, shape=(2 * BATCH, WIDTH))
+    data = [small[0], small[0], large[0], small[0], large[0], small[0], large[0]]
+    fit(tmp_path, CollectionLit(offload=callback), [MappingBatch(x=x) for x in data], [callback], max_steps=7)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, True, True, True]
+
+
 class PeakMemory(ConstantMemory):
     """Allocator counters whose peak a test raises: 1 GiB unless a batch says otherwise."""
 
