@@ -227,9 +227,12 @@ def activation_bytes(x: torch.Tensor, frugal: bool = False, checkpointed: list[s
     if checkpointed:
         apply_checkpointing(model, checkpointed)
     engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
-    with engine:
-        loss = model(x)
-    loss.backward()
+    # Autograd on, whatever the caller's mode: ``FakeMemory`` counts with this from wherever the planner reads it,
+    # Lightning's validation (inference mode) included.
+    with torch.inference_mode(False), torch.enable_grad():
+        with engine:
+            loss = model(x)
+        loss.backward()
     return engine.stats.eligible_bytes
 
 

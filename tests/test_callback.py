@@ -29,9 +29,11 @@ from torch.utils.data import DataLoader
 
 import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
+from lightning_offload.budget import BudgetPlanner
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
+from tests import test_budget as budget_tests
 from tests.models import MLP, CheckpointModel
 
 pytestmark = [
@@ -1315,6 +1317,112 @@ def test_the_memory_pictures_comparison_batch_is_not_measured_as_the_planners_st
     # Nor did the comparison batch run the plan chosen as it began: its plan keys are NaN.
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, True]
+
+
+VALIDATION_MS = 10_000.0  # simulated device time of one validation run: far more than any training step
+# Two measuring steps, three plans under trial of four steps each, and the kept plan's first two.
+TRIAL_FIT_STEPS = 16
+
+
+class SimulatedLit(pl.LightningModule):
+    """Trains the budget tests' ``Stack``, whose compute takes simulated time, under the memory-budget planner; its
+    validation takes ``VALIDATION_MS`` of that time and allocates ``validation_bytes`` for a moment (the allocator's
+    peak counter keeps them)."""
+
+    def __init__(
+        self, net: budget_tests.Stack, memory: budget_tests.FakeMemory, offload: ActivationOffloadCallback
+    ) -> None:
+        super().__init__()
+        self.net, self.memory, self.offload = net, memory, offload
+        self.validation_bytes = 0
+        self.engine: engine_module.OffloadEngine | None = None  # kept past the fit's teardown, which lets go of it
+
+    def on_fit_start(self) -> None:
+        self.engine = self.offload.engine
+        self.memory.engine = self.engine  # the counters read what the engine keeps on the device
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.net(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        assert self.net.sim is not None
+        self.net.sim.advance(VALIDATION_MS)
+        self.memory.base += self.validation_bytes
+        self.memory.allocated()  # the peak counter notes validation's allocation ...
+        self.memory.base -= self.validation_bytes  # ... which is gone as validation ends
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_planned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, validate: bool, validation_peak: int = 0, trials: bool = True
+) -> BudgetPlanner:
+    """Fit ``SimulatedLit`` under the memory-budget planner (the budget tests' setup: weights on the device, a budget of
+    six times the activations): with ``trials``, long enough for the planner to time its plans against each other,
+    else two measuring steps and two planned. With ``validate``, a validation batch runs after every training batch
+    (and one before the first, the sanity check), allocating ``validation_peak`` times the activations. Returns the
+    planner."""
+    x = torch.randn(budget_tests.BATCH, budget_tests.WIDTH)
+    act, net, memory = budget_tests.weights_on_the_device(x)
+    assert net.sim is not None
+    sim = net.sim
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+        planner = planner_for(options, device, transfer, model, memory)
+        if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
+            planner.on_plan = lambda text: None  # set: the callback leaves the planner resetting the peak every step
+        return planner
+
+    callback = offload_callback(
+        memory_budget=6 * act, plan_trials=trials, max_inflight_bytes=64 * 1024, prefetch_bytes=64 * 1024
+    )
+    module = SimulatedLit(net, memory, callback)
+    module.validation_bytes = validation_peak * act
+    steps = TRIAL_FIT_STEPS if trials else 4
+    validation: dict[str, Any] = {"val_check_interval": 1, "limit_val_batches": 1 if validate else 0}
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
+        patch.setattr(engine_module, "planner_for", with_memory)
+        fit(tmp_path, module, [x] * steps, [callback], val_data=[x], max_steps=steps, **validation)
+    assert module.engine is not None and module.engine.planner is not None
+    return module.engine.planner
+
+
+def test_validation_inside_fit_is_not_timed_as_the_training_step_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plans under trial are timed from one step's start to the next's, and the planner's step stayed open until the
+    next training batch began: validation between two batches (here 10 s of simulated time, on steps of tens of ms)
+    counted as the step before it, so a plan whose timed steps were followed by validation read slower and the trials
+    could keep a worse one; and the step after validation counted from a mark set before it. The step now ends as
+    validation starts: the trials time what they time without validation, and keep the same plan."""
+    plain = fit_planned(tmp_path / "plain", monkeypatch, validate=False)
+    validated = fit_planned(tmp_path / "validated", monkeypatch, validate=True)
+    assert plain.trial_steps and not plain.trying  # the trials ran to their end
+    steps = [ms for _, _, _, timed in validated.trial_steps for ms in timed]
+    assert steps and max(steps) < VALIDATION_MS, validated.trial_steps
+    assert validated.trial_steps == plain.trial_steps
+    assert validated.plan == plain.plan
+
+
+def test_validations_peak_inside_fit_is_not_read_as_the_training_steps_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner read a step's peak as the next training batch began, after the validation between them: a
+    validation that allocates more than a training step (here 20 times the activations, past the budget) made the
+    measured profile that heavy, or corrected the plans towards memory. The step now ends as validation starts: the
+    profile's peaks are what they are without validation, uncorrected."""
+    plain = fit_planned(tmp_path / "plain", monkeypatch, validate=False, trials=False)
+    validated = fit_planned(tmp_path / "validated", monkeypatch, validate=True, validation_peak=20, trials=False)
+    measured, want = validated.profile, plain.profile
+    assert measured is not None and want is not None and measured.correction == 0
+    # Peaks aside, two fields may differ. The host memory plans may pin is read from what the machine has free then.
+    # And validation closed the fit's last step, which the plain fit never closes: a planned step's faster pace
+    # lowers the profile's.
+    other = {"host_bytes": want.host_bytes, "forward_ms": want.forward_ms, "backward_ms": want.backward_ms}
+    assert dataclasses.replace(measured, **other) == want
 
 
 def test_host_memory_is_released_when_training_stops_on_an_exception(tmp_path: Path) -> None:
