@@ -908,8 +908,8 @@ def planner_for(
 def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, stats: OffloadStats) -> None:
     """End the planner's open step (``stats`` describe it): it learns from its peak and timings, and the next step's
     device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step`` earlier,
-    where a batch runs without it (its peak and time are not the step's before it). A step ends once: called again
-    before the next begins, the planner finds none open."""
+    where a batch runs without it or validation runs (their peak and time are not the step's before them). A step
+    ends once: called again before the next begins, the planner finds none open."""
     assert isinstance(transfer, StreamedTransfer)
     configured_cap = outbound.configured_inflight_cap
     if planner.measuring:

@@ -265,6 +265,15 @@ class ActivationOffloadCallback(Callback):
             self._reporter.end_epoch(pl_module, self._engine)
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation inside fit (``val_check_interval``, or after an epoch's last batch) runs between two training
+        # batches, and the memory-budget planner's step stays open until the next one begins: validation's device
+        # time would count as that step's (plans under trial are timed start to start), its peak as that step's peak.
+        # The step ends here instead. (In the sanity check, before the first batch, no step is open: nothing to end.)
+        if self._engine is not None:
+            self._engine.end_step()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._picture is not None:
             # Training ended before the comparison batch: draw what was recorded.

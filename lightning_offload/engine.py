@@ -142,9 +142,9 @@ class OffloadEngine:
         self._active = True
 
     def end_step(self) -> None:
-        """End the current step now, not as the next one begins: the next batch runs without the engine (the memory
-        picture's comparison batch), and its peak and time must not count as this step's in the memory-budget
-        planner's measurements."""
+        """End the current step now, not as the next one begins: what runs before the next step (a batch without the
+        engine, the memory picture's comparison; validation inside fit) must not count as this step's peak and time
+        in the memory-budget planner's measurements."""
         if self._active:
             raise RuntimeError("offload_activations(): end_step() inside the engine's block; call it after the block")
         self._end_forward()
