@@ -120,16 +120,20 @@ _NO_INPUT: Any = object()  # no input named yet
 
 
 @dataclasses.dataclass
-class _InputPlan:
-    """What the planner learnt of one input: its measured profile, the plan it chose and the trials that led there."""
+class _InputState:
+    """What the planner learnt of one input: its measured profile, the plan it chose and the trials that led there, or
+    how far its measuring got."""
 
     profile: StepProfile
-    plan: Plan
+    plan: Plan | None
     trials: PlanTrials
     full_block: BlockSizes | None
     measured_peaks: tuple[int, int, int, bool]
     reserved_gap: int
     base: int
+    measure_left: int
+    measured: int
+    tripped: bool
 
 
 def default_budget(total: int) -> int:
@@ -233,7 +237,8 @@ class BudgetPlanner:
         self._settling = False
         self._release_cache = False  # ... and it found the cache worth emptying before the step after it
         self._input: Any = _NO_INPUT  # the input the current profile is of (see input_changed)
-        self._remembered: OrderedDict[Hashable, _InputPlan] = OrderedDict()  # other inputs' plans, oldest first
+        self._remembered: OrderedDict[Hashable, _InputState] = OrderedDict()  # other inputs' plans, oldest first
+        self._measured = 0  # measuring steps ended since the last replan or new input
 
     @property
     def measuring(self) -> bool:
@@ -385,22 +390,24 @@ class BudgetPlanner:
         if previous is _NO_INPUT and self.step == 0:
             return True  # the first steps measure anyway
         self.abandon_step()  # (a step still open here ran the old input, and its caller did not close it)
-        plan, profile = self.plan, self.profile
-        if previous is not _NO_INPUT and plan is not None and profile is not None and self._measure_left <= 0:
-            self._remembered[previous] = _InputPlan(
-                profile,
-                plan,
+        if previous is not _NO_INPUT and self.profile is not None:
+            self._remembered[previous] = _InputState(
+                self.profile,
+                self.plan if self._measure_left <= 0 else None,
                 self._trials,
                 self._full_block,
                 self._measured_peaks,
                 self._reserved_gap,
                 self._base,
+                self._measure_left,
+                self._measured,
+                self.tripped,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
         kept = self._remembered.pop(key, None)
-        if kept is None or self._measure_left > 0:
+        if kept is None:
             self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
             self._forget_input(1)
             return True
@@ -412,9 +419,12 @@ class BudgetPlanner:
         )
         self.plan, self._trials, self._full_block = kept.plan, kept.trials, kept.full_block
         self._measured_peaks, self._reserved_gap, self._base = kept.measured_peaks, kept.reserved_gap, kept.base
+        self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._slow_forward = None
         self._settling = self._release_cache = False
+        if self._measure_left > 0:
+            return True  # its measuring goes on
         if self.profile != kept.profile:
             self._choose()
         return False
@@ -427,6 +437,7 @@ class BudgetPlanner:
         self._plan_since = None
         self._slow_forward = None
         self._measure_left = max(self._measure_left, measuring_steps)
+        self._measured = 0
         self._trials.reset()
         self._full_block = None  # a new input shape saves other bytes per block
         self._settling = self._release_cache = False
@@ -547,6 +558,7 @@ class BudgetPlanner:
         if self._measuring:
             self._measuring = False
             self._measure_left -= 1
+            self._measured += 1
             self.watermark = None
             self._blocks.unwatch()
             self._reserved_gap = self._pressed_gap(peak)
@@ -554,6 +566,14 @@ class BudgetPlanner:
             self.profile = self._measured_profile(
                 peak, eligible, offloaded, forward_ms, backward_ms, link_bytes_per_ms, extra
             )
+            if self._measure_left <= 0 and self._measured == 1 and self.step in self._pinning_steps:
+                # A single measuring step (a new input's, a replan's) that pinned new host buffers for its copies
+                # (0.4 s per GiB on an H200, the device idle meanwhile) timed the pinning as compute: a forward that
+                # slow hides any copy, and the plan offloads everything. On an H200 the small-vocab model's new lengths
+                # planned 10-20 GiB offloaded, no block checkpointed, at 0.6-8 s per step, where one length measured
+                # twice kept 1.6 GiB and ran at 0.21 s. Its memory counts; the input is measured once more (its
+                # buffers exist now).
+                self._measure_left = 1
             if self._measure_left <= 0:
                 self._choose()
                 # The measuring steps (the first ones, or a replan's) left the cache shaped by their own allocations.
