@@ -5,13 +5,16 @@ measured once and a length met before runs its own plan), ``replan_every_change`
 ``replan()`` at every change of shape, so every step measures) and ``fixed`` (every step at the lengths' median: the
 pace a run of one length reaches). The small-vocab capacity model under a 6 GiB budget; lengths drawn from
 ``low``-``high`` in steps of ``step`` tokens. Per step: whether it measured, whether a plan was under trial, GiB
-offloaded, new host buffers pinned, the plan. Run one arm per process (the host pool is the process's)::
+offloaded, new host buffers pinned, the plan. With ``CAP=1`` the process is capped at the budget
+(``torch.cuda.set_per_process_memory_fraction``) and a step that runs out of memory is counted and skipped. Run one arm
+per process (the host pool is the process's)::
 
     python -m benchmarks.dynamic_lengths out.json input_changed [steps low high step]
-    python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
+    CAP=1 python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
 """
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -27,6 +30,9 @@ out, arms = sys.argv[1], sys.argv[2].split(",")
 steps, low, high, step = (int(v) for v in sys.argv[3:7]) if len(sys.argv) > 3 else (24, 8192, 16384, 512)
 device = torch.device("cuda")
 budget = "6GiB"
+capped = os.environ.get("CAP") == "1"
+if capped:
+    torch.cuda.set_per_process_memory_fraction(6 * 2**30 / torch.cuda.get_device_properties(device).total_memory)
 rng = random.Random(0)
 drawn = [rng.randrange(low, high + 1, step) for _ in range(steps)]
 bench = build(CAPACITY_MODELS["smallvocab-h1024"], device, max_seq=high)
@@ -38,7 +44,7 @@ for arm in arms:
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     off = offload_activations(model=model, memory_budget=budget)
-    measured, times, previous, info = [], [], None, []
+    measured, times, previous, info, ooms = [], [], None, [], 0
     torch.cuda.reset_peak_memory_stats()
     for n in lengths:
         ids = torch.randint(0, vocab, (1, n), device=device)
@@ -49,11 +55,15 @@ for arm in arms:
         previous = n
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with off:
-            measured.append(bool(off.planner.measuring))
-            loss = bench.loss(ids)
-        loss.backward()
-        optimizer.step()
+        try:
+            with off:
+                measured.append(bool(off.planner.measuring))
+                loss = bench.loss(ids)
+            loss.backward()
+            optimizer.step()
+        except torch.cuda.OutOfMemoryError:
+            ooms += 1
+            loss = None
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -75,6 +85,8 @@ for arm in arms:
     later = times[4:]
     results[arm] = {
         "lengths": lengths,
+        "capped": capped,
+        "out_of_memory_steps": ooms,
         "measuring_steps": sum(measured),
         "measured": measured,
         "info": info,
@@ -87,13 +99,13 @@ for arm in arms:
     }
 json.dump(results, open(out, "w"), indent=1)
 print(f"lengths {lengths}")
-print(f"{'arm':22s} measuring  total_s  median_s(>4)  tok/s   reserved/alloc GiB")
+print(f"{'arm':22s} measuring  total_s  median_s(>4)  tok/s   reserved/alloc GiB  OOM (capped: {capped})")
 for arm in arms:
     r = results[arm]
     print(
         f"{arm:22s} {r['measuring_steps']:9d} {r['total_s']:8.2f} {r['median_s_after_4']:13.3f}"
         f" {r['tokens_per_s']:6.0f}"
-        f"  {r['peak_reserved_gib']:.2f}/{r['peak_alloc_gib']:.2f}"
+        f"  {r['peak_reserved_gib']:.2f}/{r['peak_alloc_gib']:.2f}  {r['out_of_memory_steps']}"
     )
 for arm in arms:
     print(arm)
