@@ -122,9 +122,10 @@ _NO_INPUT: Any = object()  # no input named yet
 @dataclasses.dataclass
 class _InputState:
     """What the planner learnt of one input: its measured profile, the plan it chose and the trials that led there, or
-    how far its measuring got."""
+    how far its measuring got (``profile`` ``None``: no measuring step of it ended, but one failed after passing its
+    watermark or out of memory, so its next is frugal: ``tripped``)."""
 
-    profile: StepProfile
+    profile: StepProfile | None
     plan: Plan | None
     trials: PlanTrials
     full_block: BlockSizes | None
@@ -390,7 +391,10 @@ class BudgetPlanner:
         if previous is _NO_INPUT and self.step == 0:
             return True  # the first steps measure anyway
         self.abandon_step()  # (a step still open here ran the old input, and its caller did not close it)
-        if previous is not _NO_INPUT and self.profile is not None:
+        # An input none of whose measuring steps ended is kept where the next must be frugal: its step ran out of
+        # memory (or passed its watermark) keeping its activations, and another input's state taken up in between
+        # (one that never tripped) would have its next measuring step keep them again, and fail the same way.
+        if previous is not _NO_INPUT and (self.profile is not None or self.tripped):
             self._remembered[previous] = _InputState(
                 self.profile,
                 self.plan if self._measure_left <= 0 else None,
@@ -407,9 +411,11 @@ class BudgetPlanner:
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
         kept = self._remembered.pop(key, None)
-        if kept is None:
+        if kept is None or kept.profile is None:
             self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
             self._forget_input(1)
+            if kept is not None:
+                self.tripped = kept.tripped  # its measuring steps failed: the next is frugal
             return True
         # What planned steps of other inputs taught about the machine counts here too (as in a new measurement).
         self.profile = dataclasses.replace(

@@ -1825,3 +1825,36 @@ def test_replan_refuses_a_measuring_step_count_that_is_not_an_int_naming_it(valu
     with pytest.raises(ValueError, match=rf"replan\(measuring_steps={value!r}\): expected an int >= 1"):
         engine.replan(measuring_steps=value)
     assert planner.profile is not None and not run_steps(engine, model, x, 1)[0]["hooked"]  # still planned
+
+
+def test_an_input_whose_measuring_step_ran_out_of_memory_measures_frugally_when_it_comes_back() -> None:
+    """Under the device's own budget a new input's measuring step keeps everything up to its watermark; a longer input
+    ran out of memory below it. Measured again it must be frugal (offload from its first saved tensor), also where
+    another input, one that never tripped its watermark, ran in between: that one's state taken up again must not
+    make the long input's next measuring step keep everything again (and fail the same way, at every return)."""
+    short, long = torch.randn(BATCH, WIDTH), torch.randn(4 * BATCH, WIDTH)
+    total = 100 * GiB
+    _, model, memory, engine = planned_stack(
+        "auto", base=80 * GiB, transient=0, total=total, memory_type=SpikyMemory, bytes_per_ms=float(64 * MiB)
+    )
+    act = activation_bytes(long)
+
+    def step(x: torch.Tensor) -> bool:
+        """One step on ``x``; whether it ran out of memory (the long input does where it kept over half its
+        activations on the device: the loss's transient does not fit beside them)."""
+        engine.input_changed(tuple(x.shape))
+        model.zero_grad(set_to_none=True)
+        try:
+            with engine:
+                loss = model(x)
+                stats = engine.collect_stats(wait=False)
+                if len(x) == len(long) and stats.eligible_bytes - stats.offloaded_bytes > act // 2:
+                    memory.spike = total - memory.peak()
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            return True
+        return False
+
+    assert [step(x) for x in (short, short, short)] == [False, False, False]
+    assert [step(x) for x in (long, short, long, long, short, long)] == [True, False, False, False, False, False]
