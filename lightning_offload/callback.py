@@ -204,7 +204,7 @@ class ActivationOffloadCallback(Callback):
             engine.install()
             planner = engine.planner
             if planner is not None and planner.on_plan is None:
-                planner.owns_peaks = False  # the reporter resets the peak counters per optimizer step
+                planner.owns_peaks = False  # the reporter resets the peak counters as each batch begins
                 planner.on_plan = lambda text: rank_zero_info(f"ActivationOffloadCallback: {text}")
         self._reporter.start_batch()  # after the engine read the previous step's peak
         if picture is not None:

@@ -1,7 +1,8 @@
 """What the Lightning callback logs: per-step figures, the memory-budget plan, and epoch summaries.
 
-Peaks are per optimizer step (all micro-batches of an accumulation window): the counters are reset at the first
-batch of every step, the first batch of every fit included, so no figure carries memory from before the fit.
+Peaks are per optimizer step (all micro-batches of an accumulation window): the highest of its batches' peaks. The
+counters are reset as every batch begins (the first of every fit included, so no figure carries memory from before the
+fit), after the engine read the step before's: the memory-budget planner learns from each batch's own peak.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class StepReporter:
         self._new_step = True  # the next batch opens a new optimizer step
         self._stepped = False  # an optimizer step ran in this batch
         self._flushes_at_start = 0  # the allocator's cache flushes as the optimizer step began (CUDA)
+        # The optimizer step's peaks so far, allocated and reserved: the highest of its batches' (CUDA).
+        self._step_peaks = (0, 0)
 
     def start_fit(self, device: torch.device) -> None:
         """A fit begins on ``device``: fresh epoch summaries, and the next batch opens a new step."""
@@ -84,10 +87,16 @@ class StepReporter:
         self._new_step, self._stepped = True, False
 
     def start_batch(self) -> None:
-        """Reset the peak counters when this batch opens an optimizer step (after the engine started its step)."""
-        if self.cuda is not None and self._new_step:
+        """Reset the peak counters as this batch begins (after the engine started its step, and read the peak of the
+        step before): the memory-budget planner reads each batch's own peak. Under gradient accumulation a window's
+        batches may run different inputs, each planned on its own profile: reset once per optimizer step, a short
+        batch after a long one read the long one's peak as its own, measured that heavy or corrected towards memory.
+        The optimizer step's figures are the highest of its batches' (:meth:`end_batch`)."""
+        if self.cuda is not None:
             torch.cuda.reset_peak_memory_stats(self.cuda)
-            self._flushes_at_start = read_counters(self.cuda).alloc_retries
+            if self._new_step:
+                self._flushes_at_start = read_counters(self.cuda).alloc_retries
+                self._step_peaks = (0, 0)
         self._new_step = False
 
     def before_install(self, trainer: pl.Trainer, engine: OffloadEngine) -> None:
@@ -114,8 +123,14 @@ class StepReporter:
             # of the epoch summaries, which describe offloading.
             stats = _held_only(stats)
         cuda = self.cuda
-        # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one read of them all.
-        counters = read_counters(cuda) if stepped and cuda else None
+        # Reading the allocator's counters is host-side bookkeeping (no device synchronization), one read of them all:
+        # at every batch, whose peaks count towards its optimizer step's (the counters restart at the next batch).
+        counters = read_counters(cuda) if cuda else None
+        if counters is not None:
+            allocated, reserved = self._step_peaks
+            self._step_peaks = (max(allocated, counters.peak), max(reserved, counters.reserved_peak))
+            counters = counters._replace(peak=self._step_peaks[0], reserved_peak=self._step_peaks[1])
+        counters = counters if stepped else None
         peaks = (counters.peak, counters.reserved_peak) if counters is not None else None
         if self.epoch_metrics is not None and not plain:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))

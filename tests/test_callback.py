@@ -1434,3 +1434,76 @@ def test_host_memory_is_released_when_training_stops_on_an_exception(tmp_path: P
     gc.collect()
     pool = pool_for(CPU)
     assert pool.in_use_bytes == 0 and pool.reserved_bytes == 0
+
+
+class InputPeaks:
+    """The CUDA allocator's counters, faked, and read by both the reporter (as CUDA's) and the memory-budget planner:
+    1 GiB allocated, and each training batch reaches the peak its input's length gives it."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 1 << 30
+
+    def reset(self, device: Any = None) -> None:
+        self.peak_bytes = 1 << 30
+
+    def counters(self, device: Any = None) -> AllocatorCounters:
+        return AllocatorCounters(
+            allocated=1 << 30, peak=self.peak_bytes, reserved=1 << 30, reserved_peak=self.peak_bytes, alloc_retries=0
+        )
+
+    def total(self) -> int:
+        return 64 << 30
+
+    def allocated(self) -> int:
+        return 1 << 30
+
+    def peak(self) -> int:
+        return self.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.reset()
+
+
+class PeakByLengthLit(LitNet):
+    """A batch of ``2 * BATCH`` rows peaks at 6 GiB, one of ``BATCH`` rows at 2 GiB; every batch notes its length,
+    whether the planner measured it and the profile it ran on."""
+
+    def __init__(self, offload: ActivationOffloadCallback, peaks: InputPeaks) -> None:
+        super().__init__(offload=offload)
+        self.peaks = peaks
+        self.seen: list[tuple[int, bool, Any]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        engine = self.offload.engine if self.offload is not None else None
+        assert engine is not None and engine.planner is not None
+        self.seen.append((len(batch), engine.planner.measuring, engine.planner.profile))
+        self.peaks.peak_bytes = max(self.peaks.peak_bytes, (6 if len(batch) > BATCH else 2) << 30)
+        return super().training_step(batch, batch_idx)
+
+
+def test_under_gradient_accumulation_each_inputs_plan_learns_from_its_own_batches_peak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under gradient accumulation a window's batches may have inputs of different lengths, each planned on its own
+    profile. The peak counters were reset once per optimizer step, so a short batch after a long one in the same window
+    read the long one's peak as its own: measured 3x too heavy here (and, planned, corrected towards memory until its
+    plan was as frugal as the long input's). Each batch's peak is now its own for the planner, and the logged peak is
+    still the optimizer step's: the highest of its batches."""
+    peaks = InputPeaks()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", peaks.reset)
+    monkeypatch.setattr(reporting, "read_counters", peaks.counters)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+        return planner_for(options, device, transfer, model, peaks)
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+    callback = offload_callback(memory_budget="8GiB")
+    long, short = batches(1, shape=(2 * BATCH, WIDTH))[0], batches(1)[0]
+    module = PeakByLengthLit(callback, peaks)
+    fit(tmp_path, module, [long, short] * 5, [callback], max_steps=5, accumulate_grad_batches=2)
+    planned = {(length, profile.peak, profile.correction) for length, measured, profile in module.seen if not measured}
+    assert planned == {(2 * BATCH, 6 << 30, 0), (BATCH, 2 << 30, 0)}
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/peak_allocated_gib")]
+    assert [row["offload/peak_allocated_gib"] for row in rows] == ["6.0"] * 5
