@@ -372,6 +372,11 @@ class BudgetPlanner:
         """The input named by the latest :meth:`input_changed` (``None`` before any)."""
         return None if self._input is _NO_INPUT else self._input
 
+    def runs_input(self, key: Hashable) -> bool:
+        """Whether ``key`` is the input named by the latest :meth:`input_changed` (``None`` is a key like any other:
+        before any call, no key is)."""
+        return self._input is not _NO_INPUT and key == self._input
+
     def input_changed(self, key: Hashable) -> bool:
         """The next step's input is ``key`` (its tensors' shapes, say). A new input is measured at the next step, as
         after :meth:`replan`; one met before runs the plan it had then (its trials go on where they stopped), without

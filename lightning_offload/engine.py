@@ -92,7 +92,8 @@ class OffloadEngine:
         self._allocations_at_start = 0
         self._host_limit: int | None = None
         self._log = SaveLog()
-        self._first_input: Any = None  # the input named before the planner existed (see input_changed)
+        # The input named before the planner existed, in a tuple (see input_changed; ``None`` is a key too).
+        self._first_input: tuple[Hashable] | None = None
         self._counted: list[StorageCopy] = []  # mode="off": what the open forward would offload (kept for dedup)
 
     @property
@@ -113,7 +114,7 @@ class OffloadEngine:
         if self._device is None:
             self._resolve_device()
             if self.planner is not None and self._first_input is not None:
-                self.planner.input_changed(self._first_input)
+                self.planner.input_changed(self._first_input[0])
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
         if self._settling is not None and self._settling.step_begins():
             _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied")
@@ -268,9 +269,9 @@ class OffloadEngine:
             raise RuntimeError("offload_activations(): input_changed() inside the engine's block; call it before it")
         planner = self.planner
         if planner is None:
-            self._first_input = key  # named to the planner once the first step makes it
+            self._first_input = (key,)  # named to the planner once the first step makes it
             return
-        if key == planner.input_key:
+        if planner.runs_input(key):
             return
         self.end_step()  # the step before ran the old input: it counts for that one
         planner.input_changed(key)

@@ -1858,3 +1858,21 @@ def test_an_input_whose_measuring_step_ran_out_of_memory_measures_frugally_when_
 
     assert [step(x) for x in (short, short, short)] == [False, False, False]
     assert [step(x) for x in (long, short, long, long, short, long)] == [True, False, False, False, False, False]
+
+
+def test_none_is_an_input_key_like_any_other() -> None:
+    """``None`` names an input as any hashable key does: its plan is kept while another input runs, and taken up again
+    when it comes back (it was taken for "no input named yet", so its measured plan was dropped at the first change
+    and it measured once more)."""
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    measuring = []
+    for key in [None, None, "other", "other", None]:
+        engine.input_changed(key)
+        with engine:
+            assert engine.planner is not None
+            measuring.append(engine.planner.measuring)
+            loss = model(x)
+        loss.backward()
+    assert measuring == [True, True, True, False, False]
+    assert engine.planner is not None and engine.planner.input_key is None
