@@ -35,6 +35,7 @@ def offload_activations(
 
         off = offload_activations(model=model, memory_budget="40GiB")  # create once: pool and streams are reused
         for x in batches:
+            off.input_changed(tuple(x.shape))  # under the budget: a new shape is measured before it is planned
             with off:
                 loss = model(x).sum()
             loss.backward()

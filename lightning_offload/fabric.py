@@ -14,6 +14,7 @@ Example::
     model, optimizer = fabric.setup(model, optimizer)
     off = fabric_offload(fabric, model)  # once: the pinned pool, the streams and the profile are reused
     for batch in fabric.setup_dataloaders(loader):
+        off.input_changed(tuple(batch.shape))  # under a memory budget: a new shape is measured before it is planned
         with off:  # the activations saved in forward go to host memory
             loss = model(batch)
         fabric.backward(loss)  # and come back as backward needs them

@@ -55,8 +55,8 @@ class OffloadOptions:
             checkpoint the fewest blocks needed, checkpoint all and offload the rest, and last checkpoint every block
             by its parts (one part rebuilt at a time in backward; their inputs offloaded). Blocks the model or the
             user already checkpoints are left as they are (plans then only offload). A new input shape is measured
-            once, and one met before runs its own plan again (the callback notices; the context manager's user
-            calls ``input_changed()``).
+            once, and one met before runs its own plan again (the callback notices; a loop with
+            ``offload_activations`` or ``fabric_offload`` calls ``input_changed()``).
             ``"auto"``: what the process may use of the device's memory (under its memory fraction, where set)
             less a margin, so a model that fits pays nothing and one that does not is made to fit. ``None``: no
             planning; offload every eligible tensor (within ``max_offload_bytes``).

@@ -89,6 +89,24 @@ def test_no_document_claims_auto_offloading_is_free() -> None:
         assert "almost no step time" not in text, where
 
 
+def test_every_loop_example_names_each_batchs_input_before_entering_the_engine() -> None:
+    """Without the callback, nothing notices a new input shape: a loop that does not call ``input_changed`` runs the
+    first shape's plan on every later one (under a hard cap, out of memory at a longer sequence). Every example loop
+    (plain PyTorch and Fabric, in the README and in the docstrings) calls it before it enters the engine."""
+    from lightning_offload import fabric, offload_activations
+
+    python_blocks = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    loops = {
+        "README's context manager": next(b for b in python_blocks if "offload_activations(" in b),
+        "README's Fabric loop": next(b for b in python_blocks if "fabric_offload(" in b),
+        "offload_activations' docstring": offload_activations.__doc__ or "",
+        "the fabric module's docstring": fabric.__doc__ or "",
+    }
+    for where, text in loops.items():
+        loop = text.split("for ", 1)[1]
+        assert "input_changed(" in loop.split("with off", 1)[0], f"{where}: no input_changed() before `with off`"
+
+
 def test_every_logged_key_is_documented() -> None:
     epoch_keys = [value for name, value in vars(metrics).items() if name.isupper() and isinstance(value, str)]
     step_keys = [key.removesuffix("_epoch_max").removesuffix("_epoch_mean") for key in epoch_keys]
