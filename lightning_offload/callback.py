@@ -42,7 +42,8 @@ class ActivationOffloadCallback(Callback):
     ``on_exception`` and ``teardown``. Streams and the pinned pool are created lazily, so the callback pickles
     (``ddp_spawn``). With a memory budget (the default), the first batches are measured and a plan is chosen and
     reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
-    (``plan_trials``, reported too); a batch whose tensors change shape is measured again.
+    (``plan_trials``, reported too); a batch whose tensors take a new shape is measured, one of a shape met before runs
+    that shape's plan again.
 
     Example::
 

@@ -36,7 +36,7 @@ METRIC_DOCS = """\
         achieved bandwidth; NaN for a batch that timed no copy that way.
         ``offload/memory_budget_gib``: (with a memory budget) the budget, in GiB.
         ``offload/plan_offload_gib``: the bytes of each forward the batch's plan offloads, in GiB; NaN for a batch
-        that measures instead (the first two, and the first after the input's shape changes).
+        that measures instead (the first two, and the first one or two of each new input shape).
         ``offload/plan_checkpoint_blocks``: how many blocks the batch's plan checkpoints (NaN: it measured).
         ``offload/plan_split``: 1 where the plan checkpoints those blocks by their parts, 0 where whole (NaN: it
         measured).
