@@ -433,7 +433,10 @@ class BudgetPlanner:
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._slow_forward = None
-        self._settling = self._release_cache = False
+        # (A cache found worth emptying is emptied before the next step all the same: it is the process's, not the
+        # input's. With lengths that change from batch to batch, the step after a kept plan's first is nearly always
+        # another input's, and the cache the measuring steps shaped was never emptied.)
+        self._settling = False
         if self._measure_left > 0:
             return True  # its measuring goes on
         if self.profile != kept.profile:
@@ -451,7 +454,7 @@ class BudgetPlanner:
         self._measured = 0
         self._trials.reset()
         self._full_block = None  # a new input shape saves other bytes per block
-        self._settling = self._release_cache = False
+        self._settling = False  # (a cache found worth emptying still is, before the next step: see input_changed)
 
     def begin_step(self, position: Callable[[], int]) -> Plan | None:
         """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""

@@ -1876,3 +1876,23 @@ def test_none_is_an_input_key_like_any_other() -> None:
         loss.backward()
     assert measuring == [True, True, True, False, False]
     assert engine.planner is not None and engine.planner.input_key is None
+
+
+def test_the_cache_found_worth_emptying_is_emptied_also_where_the_next_step_runs_another_input() -> None:
+    """A kept plan's first step that finds the allocator holding far more than its peak empties the cache before the
+    next step. Where that next step runs another input (lengths that change from batch to batch: nearly always), it is
+    emptied all the same: what the allocator holds is the process's, not the input's. (The change of input dropped it,
+    so with lengths that alternate the cache the measuring steps shaped was never emptied.)"""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    assert model.sim is not None
+    engine = planned_engine(8 * act, memory, model, model.sim)
+    memory.reserved = lambda: int(1.3 * memory.peak())  # type: ignore[attr-defined]
+    step_on(engine, model, x, key="a")  # the engine makes its planner at its first step
+    planner = engine.planner
+    assert planner is not None
+    released: list[int] = []
+    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    assert [step_on(engine, model, x, key="a")["measuring"] for _ in range(2)] == [True, False]
+    step_on(engine, model, x, key="b")
+    assert released == [4]  # before the fourth step, the first of "b"
