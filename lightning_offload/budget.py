@@ -135,6 +135,7 @@ class _InputState:
     measure_left: int
     measured: int
     tripped: bool
+    settling: bool  # its plan's next step is a newly kept plan's first (see BudgetPlanner._cache_worth_emptying)
 
 
 def default_budget(total: int) -> int:
@@ -411,6 +412,7 @@ class BudgetPlanner:
                 self._measure_left,
                 self._measured,
                 self.tripped,
+                self._settling,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
@@ -433,10 +435,11 @@ class BudgetPlanner:
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._slow_forward = None
-        # (A cache found worth emptying is emptied before the next step all the same: it is the process's, not the
-        # input's. With lengths that change from batch to batch, the step after a kept plan's first is nearly always
-        # another input's, and the cache the measuring steps shaped was never emptied.)
-        self._settling = False
+        # Its plan's first step checks the cache where it has not yet (with inputs that alternate, measuring ends as
+        # another input's step begins). A cache found worth emptying is emptied before the next step all the same:
+        # it is the process's, not the input's. (Both were dropped here: with lengths that change from batch to batch,
+        # the cache the measuring steps shaped was never emptied.)
+        self._settling = kept.settling
         if self._measure_left > 0:
             return True  # its measuring goes on
         if self.profile != kept.profile:

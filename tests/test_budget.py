@@ -1896,3 +1896,24 @@ def test_the_cache_found_worth_emptying_is_emptied_also_where_the_next_step_runs
     assert [step_on(engine, model, x, key="a")["measuring"] for _ in range(2)] == [True, False]
     step_on(engine, model, x, key="b")
     assert released == [4]  # before the fourth step, the first of "b"
+
+
+def test_each_inputs_kept_plan_checks_the_cache_at_its_first_step_also_where_inputs_alternate() -> None:
+    """The first step of a plan kept after measuring steps checks whether the cache they shaped is worth emptying.
+    With inputs that alternate at every step, each input's measuring ends as the step of another input begins, and its
+    plan's first step comes after that: it still checks (the change of input dropped the check, so with lengths that
+    alternate it never ran)."""
+    x = torch.randn(BATCH, WIDTH)
+    act, model, memory = weights_on_the_device(x)
+    assert model.sim is not None
+    engine = planned_engine(8 * act, memory, model, model.sim)
+    memory.reserved = lambda: int(1.3 * memory.peak())  # type: ignore[attr-defined]
+    step_on(engine, model, x, key="a")  # the engine makes its planner at its first step
+    planner = engine.planner
+    assert planner is not None
+    released: list[int] = []
+    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    measuring = [step_on(engine, model, x, key=key)["measuring"] for key in ["b", "a", "b", "a", "b", "a"]]
+    assert measuring == [True, True, False, False, False, False]
+    # "b" plans from step 4 on, "a" from step 5: each first planned step checks, and the cache is emptied after it.
+    assert released == [5, 6]
