@@ -262,8 +262,14 @@ class OffloadEngine:
 
         Raises:
             RuntimeError: called inside the engine's block.
-            TypeError: ``key`` is not hashable.
+            TypeError: ``key`` is not hashable, or is a tensor (it hashes by identity and compares element by element:
+                pass its shape).
         """
+        if isinstance(key, torch.Tensor):
+            raise TypeError(
+                "input_changed(key=<tensor>): expected the input's shapes, e.g. tuple(batch.shape), or another "
+                "hashable value that names the input"
+            )
         hash(key)  # refused before anything changes
         if self._active:
             raise RuntimeError("offload_activations(): input_changed() inside the engine's block; call it before it")

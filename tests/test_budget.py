@@ -1311,6 +1311,10 @@ def test_input_changed_is_refused_inside_the_block_and_for_a_key_that_cannot_be_
     _, _, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
     with pytest.raises(TypeError, match="unhashable"):
         engine.input_changed([BATCH, WIDTH])
+    # A tensor hashes by identity and compares element by element: the same batch data in a new tensor would read as
+    # a new input, and comparing two keys would raise mid-switch.
+    with pytest.raises(TypeError, match=r"input_changed\(key=<tensor>\): expected the input's shapes"):
+        engine.input_changed(torch.zeros(BATCH, WIDTH))
     with engine, pytest.raises(RuntimeError, match=r"input_changed\(\) inside the engine's block"):
         engine.input_changed((BATCH, WIDTH))
 
