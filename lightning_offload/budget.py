@@ -359,9 +359,9 @@ class BudgetPlanner:
             self._head_allocated = max(0, self.memory.allocated() - in_flight)
 
     def replan(self, measuring_steps: int = 1) -> None:
-        """Measure again at the next ``measuring_steps`` steps (the input's shape changed, or the model did; 2 when
-        the optimizer is new too: it allocates its state in its first step). The plans of other inputs that
-        :meth:`input_changed` kept are forgotten too: what changed may be the model."""
+        """Measure again at the next ``measuring_steps`` steps (the model changed, or the optimizer: 2 when the
+        optimizer is new, as it allocates its state in its first step; a new input is :meth:`input_changed`'s). The
+        plans of other inputs that :meth:`input_changed` kept are forgotten too: what changed may be the model."""
         check_measuring_steps(measuring_steps)
         # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
         self.abandon_step()
@@ -391,7 +391,7 @@ class BudgetPlanner:
         Returns:
             Whether the next step measures.
         """
-        if key == self._input:
+        if self.runs_input(key):
             return self.profile is None or self._measure_left > 0
         previous, self._input = self._input, key
         if previous is _NO_INPUT and self.step == 0:

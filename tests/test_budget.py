@@ -1882,21 +1882,29 @@ def test_none_is_an_input_key_like_any_other() -> None:
     assert engine.planner is not None and engine.planner.input_key is None
 
 
-def test_the_cache_found_worth_emptying_is_emptied_also_where_the_next_step_runs_another_input() -> None:
-    """A kept plan's first step that finds the allocator holding far more than its peak empties the cache before the
-    next step. Where that next step runs another input (lengths that change from batch to batch: nearly always), it is
-    emptied all the same: what the allocator holds is the process's, not the input's. (The change of input dropped it,
-    so with lengths that alternate the cache the measuring steps shaped was never emptied.)"""
+def cache_released_by_step() -> tuple[torch.Tensor, Stack, OffloadEngine, list[int]]:
+    """The setup of the tests of cache emptying across inputs: an allocator that holds 1.3x its peak (worth emptying
+    once a plan is kept), and one step of input "a" run (the engine makes its planner at its first step). Returns the
+    input, the model, the engine and the list of steps before which the cache was emptied, filled as steps run."""
     x = torch.randn(BATCH, WIDTH)
     act, model, memory = weights_on_the_device(x)
     assert model.sim is not None
     engine = planned_engine(8 * act, memory, model, model.sim)
     memory.reserved = lambda: int(1.3 * memory.peak())  # type: ignore[attr-defined]
-    step_on(engine, model, x, key="a")  # the engine makes its planner at its first step
+    step_on(engine, model, x, key="a")
     planner = engine.planner
     assert planner is not None
     released: list[int] = []
     memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    return x, model, engine, released
+
+
+def test_the_cache_found_worth_emptying_is_emptied_also_where_the_next_step_runs_another_input() -> None:
+    """A kept plan's first step that finds the allocator holding far more than its peak empties the cache before the
+    next step. Where that next step runs another input (lengths that change from batch to batch: nearly always), it is
+    emptied all the same: what the allocator holds is the process's, not the input's. (The change of input dropped it,
+    so with lengths that alternate the cache the measuring steps shaped was never emptied.)"""
+    x, model, engine, released = cache_released_by_step()
     assert [step_on(engine, model, x, key="a")["measuring"] for _ in range(2)] == [True, False]
     step_on(engine, model, x, key="b")
     assert released == [4]  # before the fourth step, the first of "b"
@@ -1907,16 +1915,7 @@ def test_each_inputs_kept_plan_checks_the_cache_at_its_first_step_also_where_inp
     With inputs that alternate at every step, each input's measuring ends as the step of another input begins, and its
     plan's first step comes after that: it still checks (the change of input dropped the check, so with lengths that
     alternate it never ran)."""
-    x = torch.randn(BATCH, WIDTH)
-    act, model, memory = weights_on_the_device(x)
-    assert model.sim is not None
-    engine = planned_engine(8 * act, memory, model, model.sim)
-    memory.reserved = lambda: int(1.3 * memory.peak())  # type: ignore[attr-defined]
-    step_on(engine, model, x, key="a")  # the engine makes its planner at its first step
-    planner = engine.planner
-    assert planner is not None
-    released: list[int] = []
-    memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
+    x, model, engine, released = cache_released_by_step()
     measuring = [step_on(engine, model, x, key=key)["measuring"] for key in ["b", "a", "b", "a", "b", "a"]]
     assert measuring == [True, True, False, False, False, False]
     # "b" plans from step 4 on, "a" from step 5: each first planned step checks, and the cache is emptied after it.
