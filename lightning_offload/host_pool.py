@@ -106,6 +106,8 @@ class HostPool:
         self.reserved_bytes = 0  # every buffer the pool owns
         self.in_use_bytes = 0  # buffers handed out and not yet given back
         self.allocations = 0  # buffers ever allocated: flat in steady state
+        self.lent_bytes = 0  # buffers in use that serve requests of a smaller class (counted in in_use_bytes too)
+        self._lent: dict[int, int] = {}  # data pointer -> size of each of those
 
     def acquire(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A buffer of at least ``nbytes`` bytes and the event to wait on before writing it.
@@ -120,10 +122,14 @@ class HostPool:
         """:meth:`acquire`, and whether the buffer is a new one (allocated, and pinned on CUDA, for this call)."""
         cls = size_class(nbytes)
         with self._lock:
-            bucket = self._free.get(cls)
+            bucket = self._free.get(cls) or self._larger_to_lend(cls, limit)
             if bucket:
                 item = bucket.pop()
-                self.in_use_bytes += cls
+                size = item.buffer.numel()
+                if size != cls:
+                    self._lent[item.buffer.data_ptr()] = size
+                    self.lent_bytes += size
+                self.in_use_bytes += size
                 return item.buffer, item.ready, False
             self._make_room(cls, limit)
             self.reserved_bytes += cls
@@ -141,6 +147,7 @@ class HostPool:
     def release(self, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         """Give ``buffer`` back; it is reused only after ``ready`` (device-side wait)."""
         with self._lock:
+            self.lent_bytes -= self._lent.pop(buffer.data_ptr(), 0)
             self._free.setdefault(buffer.numel(), []).append(_Free(buffer, ready))
             self.in_use_bytes -= buffer.numel()
 
@@ -154,6 +161,23 @@ class HostPool:
                     item.ready.synchronize()
                 self._forget(item.buffer)
                 self.reserved_bytes -= item.buffer.numel()
+
+    def _larger_to_lend(self, cls: int, limit: int) -> list[_Free] | None:
+        """The idle buffers of the smallest class above ``cls`` (at most twice it) that may serve a ``cls`` request.
+
+        Inputs whose length changes need new classes at every length; a shorter one borrowing a longer one's idle
+        buffers pins nothing (pinning costs ~0.4 s/GiB). Lending stops where the limit would not leave room to pin a
+        replacement for every buffer lent: a later request of the larger class must not fail where exact classes
+        would have fitted (plans that offload close to what the pool may hold).
+        """
+        larger = [c for c, bucket in self._free.items() if bucket and cls < c <= 2 * cls]
+        if not larger:
+            return None
+        size = min(larger)
+        spare = self.lent_bytes + size
+        if self.reserved_bytes + spare > limit or _ram_to_spare() < spare:
+            return None
+        return self._free[size]
 
     def _make_room(self, nbytes: int, limit: int) -> None:
         # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the

@@ -213,3 +213,51 @@ def test_host_memory_full_survives_pickling_and_copying() -> None:
         assert isinstance(clone, HostMemoryFull)
         assert (clone.needed, clone.held, clone.limit, clone.available) == (3 << 20, 1 << 20, 2 << 20, 5 << 30)
         assert clone.device_type == "cpu" and str(clone) == str(err)
+
+
+def test_a_request_borrows_an_idle_buffer_of_up_to_twice_its_class() -> None:
+    """With no idle buffer of its class, a request takes the smallest idle one of at most twice the class instead of
+    pinning a new buffer; it counts in full while in use and returns to its own class."""
+    pool = HostPool(pinned=False)
+    larger, _ = pool.acquire(256 * KiB, BIG)
+    largest, _ = pool.acquire(512 * KiB, BIG)
+    pool.release(larger, None)
+    pool.release(largest, None)
+    borrowed, _ = pool.acquire(160 * KiB, BIG)
+    assert borrowed.data_ptr() == larger.data_ptr()  # the smallest that serves, not the 512 KiB one
+    assert (pool.allocations, pool.in_use_bytes) == (2, 256 * KiB)
+    own, _ = pool.acquire(100 * KiB, BIG)  # 104 KiB class: 512 KiB is more than twice that, so a new buffer
+    assert own.numel() == size_class(100 * KiB) and pool.allocations == 3
+    pool.release(borrowed, None)
+    again, _ = pool.acquire(256 * KiB, BIG)
+    assert again.data_ptr() == larger.data_ptr() and pool.allocations == 3
+
+
+def test_borrowing_stops_where_the_pool_could_not_pin_a_replacement_for_what_it_lent() -> None:
+    """A larger buffer is lent only while the limit leaves room to pin a replacement for every buffer lent: a later
+    request of the larger class must not fail where buffers of the exact class would have fitted."""
+    pool = HostPool(pinned=False)
+    limit = 1535 * KiB
+    first, _ = pool.acquire(256 * KiB, limit)
+    second, _ = pool.acquire(256 * KiB, limit)
+    pool.release(first, None)
+    pool.release(second, None)
+    lent, _ = pool.acquire(200 * KiB, limit)  # 512 held + 256 to replace it <= 1535: lent
+    assert lent.numel() == 256 * KiB and pool.allocations == 2
+    pool.acquire(512 * KiB, limit)  # 1024 held, 256 lent
+    own, _ = pool.acquire(200 * KiB, limit)  # 1024 held + 2 x 256 to replace > 1535: its own class
+    assert own.numel() == size_class(200 * KiB) and pool.allocations == 4
+
+
+def test_a_shorter_input_reuses_the_host_buffers_of_a_longer_one(cpu_pool: HostPool) -> None:
+    """Steps at a shorter length (inputs whose length changes) pin no new host buffers while the longer length's
+    idle ones are at most twice their size."""
+    engine = make_engine()
+    allocations = []
+    for rows in (256, 160, 256, 100):
+        x = torch.randn(rows, 256, requires_grad=True)  # rows KiB per saved tensor
+        with engine:
+            loss = tanh_chain(x, 4)[-1].sum()
+        loss.backward()
+        allocations.append(engine.stats.host_allocations)
+    assert allocations == [4, 0, 0, 4]
