@@ -1,9 +1,10 @@
 """Inputs whose length changes every step (padding to each batch's longest) under a memory budget, on one GPU.
 
-Arms: ``input_changed`` (what the callback does: ``input_changed(shape)`` before every step, so each new length is
-measured once and a length met before runs its own plan), ``replan_every_change`` (the behaviour before it:
-``replan()`` at every change of shape, so every step measures) and ``fixed`` (every step at the lengths' median: the
-pace a run of one length reaches). The small-vocab capacity model under a 6 GiB budget; lengths drawn from
+Arms: ``none`` (no engine: the pace to match where the model fits), ``input_changed`` (what the callback does:
+``input_changed(shape)`` before every step, so each new length is measured once and a length met before runs its own
+plan), ``replan_every_change`` (the behaviour before it: ``replan()`` at every change of shape, so every step measures)
+and ``fixed`` (every step at the lengths' median: the pace a run of one length reaches). The small-vocab capacity model
+under a 6 GiB budget (``BUDGET=auto``: the default budget, under which the model fits); lengths drawn from
 ``low``-``high`` in steps of ``step`` tokens. Per step: whether it measured, whether a plan was under trial, GiB
 offloaded, new host buffers pinned, the plan. With ``CAP=1`` the process is capped at the budget
 (``torch.cuda.set_per_process_memory_fraction``) and a step that runs out of memory is counted and skipped. Run one arm
@@ -11,8 +12,12 @@ per process (the host pool is the process's)::
 
     python -m benchmarks.dynamic_lengths out.json input_changed [steps low high step]
     CAP=1 python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
+    BUDGET=auto python -m benchmarks.dynamic_lengths out.json none 48 8192 16384 512
+
+``LEND=0``: the host pool never serves a request from a larger idle buffer (as before it could).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -29,10 +34,17 @@ from lightning_offload import offload_activations
 out, arms = sys.argv[1], sys.argv[2].split(",")
 steps, low, high, step = (int(v) for v in sys.argv[3:7]) if len(sys.argv) > 3 else (24, 8192, 16384, 512)
 device = torch.device("cuda")
-budget = "6GiB"
+budget = os.environ.get("BUDGET", "6GiB")
 capped = os.environ.get("CAP") == "1"
+if os.environ.get("LEND") == "0":  # the host pool as it was: no request served by a larger idle buffer
+    from lightning_offload.host_pool import HostPool
+
+    HostPool._larger_to_lend = lambda self, cls, limit: None  # type: ignore[method-assign]
 if capped:
-    torch.cuda.set_per_process_memory_fraction(6 * 2**30 / torch.cuda.get_device_properties(device).total_memory)
+    if budget == "auto":
+        raise SystemExit("CAP=1 caps the process at the budget: give BUDGET in GiB (e.g. 6GiB)")
+    fraction = float(budget.removesuffix("GiB")) * 2**30 / torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(fraction)
 rng = random.Random(0)
 drawn = [rng.randrange(low, high + 1, step) for _ in range(steps)]
 bench = build(CAPACITY_MODELS["smallvocab-h1024"], device, max_seq=high)
@@ -43,12 +55,14 @@ for arm in arms:
     model = bench.module
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    off = offload_activations(model=model, memory_budget=budget)
+    off = None if arm == "none" else offload_activations(model=model, memory_budget=budget)
     measured, times, previous, info, ooms = [], [], None, [], 0
     torch.cuda.reset_peak_memory_stats()
     for n in lengths:
         ids = torch.randint(0, vocab, (1, n), device=device)
-        if arm == "replan_every_change" and previous is not None and n != previous:
+        if off is None:
+            pass
+        elif arm == "replan_every_change" and previous is not None and n != previous:
             off.replan()
         elif arm != "replan_every_change":
             off.input_changed(tuple(ids.shape))
@@ -56,8 +70,8 @@ for arm in arms:
         torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            with off:
-                measured.append(bool(off.planner.measuring))
+            with off if off is not None else contextlib.nullcontext():
+                measured.append(off is not None and bool(off.planner.measuring))
                 loss = bench.loss(ids)
             loss.backward()
             optimizer.step()
@@ -67,6 +81,9 @@ for arm in arms:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if off is None:
+            info.append({"trying": False, "offload_gib": 0.0, "new_host_buffers": 0, "pinned_gib": 0.0, "plan": None})
+            continue
         stats, planner = off.collect_stats(wait=True), off.planner
         plan = planner.plan
         info.append(
@@ -80,7 +97,8 @@ for arm in arms:
                 else [plan.checkpoint_blocks, round(plan.offload_bytes / 2**30, 2), plan.split],
             }
         )
-    off.close()
+    if off is not None:
+        off.close()
     del optimizer
     later = times[4:]
     results[arm] = {
