@@ -56,7 +56,7 @@ for arm in arms:
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     off = None if arm == "none" else offload_activations(model=model, memory_budget=budget)
-    measured, times, previous, info, ooms = [], [], None, [], 0
+    measured, times, previous, info, ooms, step_peaks = [], [], None, [], 0, []
     torch.cuda.reset_peak_memory_stats()
     for n in lengths:
         ids = torch.randint(0, vocab, (1, n), device=device)
@@ -81,6 +81,9 @@ for arm in arms:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        # The step's own peaks: the planner resets the counters as each of its steps begins, so the process's
+        # maximum read after the last step would be the last step's alone.
+        step_peaks.append((torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
         if off is None:
             info.append({"trying": False, "offload_gib": 0.0, "new_host_buffers": 0, "pinned_gib": 0.0, "plan": None})
             continue
@@ -112,8 +115,9 @@ for arm in arms:
         "total_s": sum(times),
         "median_s_after_4": statistics.median(later),
         "tokens_per_s": sum(lengths) / sum(times),
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": max(r for r, _ in step_peaks) / 2**30,
+        "peak_alloc_gib": max(a for _, a in step_peaks) / 2**30,
+        "step_peaks_gib": [[round(r / 2**30, 2), round(a / 2**30, 2)] for r, a in step_peaks],
     }
 json.dump(results, open(out, "w"), indent=1)
 print(f"lengths {lengths}")
