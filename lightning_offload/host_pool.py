@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -22,6 +23,8 @@ _STEPS_PER_OCTAVE = 8
 # Host RAM the pool never takes, so the rest of the process (and the OS) can still allocate.
 _RAM_HEADROOM_FRACTION = 0.10
 _RAM_HEADROOM_MAX = 8 * GiB
+# How old a reading of the machine's spare RAM may be where it only decides whether an idle buffer may be lent.
+_RAM_READ_EVERY_S = 1.0
 
 
 def size_class(nbytes: int) -> int:
@@ -108,6 +111,7 @@ class HostPool:
         self.allocations = 0  # buffers ever allocated: flat in steady state
         self.lent_bytes = 0  # buffers in use that serve requests of a smaller class (counted in in_use_bytes too)
         self._lent: dict[int, int] = {}  # data pointer -> size of each of those
+        self._ram_read_at, self._ram_read = -float("inf"), 0  # the machine's spare RAM, as read last (see lending)
 
     def acquire(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A buffer of at least ``nbytes`` bytes and the event to wait on before writing it.
@@ -175,9 +179,17 @@ class HostPool:
             return None
         size = min(larger)
         spare = self.lent_bytes + size
-        if self.reserved_bytes + spare > limit or _ram_to_spare() < spare:
+        if self.reserved_bytes + spare > limit or self._recent_ram_to_spare() < spare:
             return None
         return self._free[size]
+
+    def _recent_ram_to_spare(self) -> int:
+        """:func:`_ram_to_spare`, read at most once a second: with two lengths that alternate, the shorter borrows at
+        every saved tensor of every step, and reading the machine's memory costs tens of microseconds each time."""
+        now = time.monotonic()
+        if now - self._ram_read_at > _RAM_READ_EVERY_S:
+            self._ram_read_at, self._ram_read = now, _ram_to_spare()
+        return self._ram_read
 
     def _make_room(self, nbytes: int, limit: int) -> None:
         # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the

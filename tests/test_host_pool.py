@@ -261,3 +261,25 @@ def test_a_shorter_input_reuses_the_host_buffers_of_a_longer_one(cpu_pool: HostP
         loss.backward()
         allocations.append(engine.stats.host_allocations)
     assert allocations == [4, 0, 0, 4]
+
+
+def test_lending_reads_the_machines_memory_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two lengths that alternate, the shorter borrows at every saved tensor of every step: whether the machine
+    has RAM to replace what is lent is read once a second, not at every loan (tens of microseconds each)."""
+    from lightning_offload import host_pool
+
+    pool = HostPool(pinned=False)
+    buffers = [pool.acquire(256 * KiB, BIG)[0] for _ in range(50)]
+    for buffer in buffers:
+        pool.release(buffer, None)
+    reads: list[int] = []
+    spare = host_pool._ram_to_spare
+
+    def counted() -> int:
+        reads.append(1)
+        return spare()
+
+    monkeypatch.setattr(host_pool, "_ram_to_spare", counted)
+    lent = [pool.acquire(200 * KiB, BIG)[0] for _ in range(50)]
+    assert {buffer.numel() for buffer in lent} == {256 * KiB} and pool.allocations == 50
+    assert len(reads) == 1
