@@ -181,10 +181,14 @@ class CapacityWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         times: list[float] = []
         settled: list[float] = []  # ours: steps that ran the plan kept (not measuring, not under trial)
+        peaks = [0.0, 0.0]  # reserved, allocated: the most of any step (a planner resets the counters at each)
         note = ""
         try:
             for index in range(self.steps):
                 times.append(self.bench.timed_step(context(), optimizer, ids))
+                if self.cuda:
+                    peaks[0] = max(peaks[0], float(torch.cuda.max_memory_reserved(self.device)))
+                    peaks[1] = max(peaks[1], float(torch.cuda.max_memory_allocated(self.device)))
                 planner = getattr(engine, "planner", None)
                 if planner is not None and index >= 2 and not planner.trying:
                     settled.append(times[-1])
@@ -213,8 +217,7 @@ class CapacityWorker:
             # (when the probe ran that long).
             result.step_s = statistics.median(settled or times[2 if engine is not None else 1 :] or times)
             if self.cuda:
-                result.peak_bytes = float(torch.cuda.max_memory_reserved(self.device))
-                result.peak_alloc_bytes = float(torch.cuda.max_memory_allocated(self.device))
+                result.peak_bytes, result.peak_alloc_bytes = peaks
             else:
                 result.peak_bytes = simulated_peak_bytes(
                     self.workload, mode.name, seq, self.trainable_params, self.params
