@@ -112,6 +112,7 @@ class HostPool:
         self.lent_bytes = 0  # buffers in use that serve requests of a smaller class (counted in in_use_bytes too)
         self._lent: dict[int, int] = {}  # data pointer -> size of each of those
         self._ram_read_at, self._ram_read = -float("inf"), 0  # the machine's spare RAM, as read last (see lending)
+        self._pinned_since_read = 0  # bytes of buffers allocated since: no longer spare
 
     def acquire(self, nbytes: int, limit: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A buffer of at least ``nbytes`` bytes and the event to wait on before writing it.
@@ -139,6 +140,7 @@ class HostPool:
             self.reserved_bytes += cls
             self.in_use_bytes += cls
             self.allocations += 1
+            self._pinned_since_read += cls
         try:
             return self._allocate(cls), None, True
         except BaseException:
@@ -146,6 +148,7 @@ class HostPool:
                 self.reserved_bytes -= cls
                 self.in_use_bytes -= cls
                 self.allocations -= 1
+                self._pinned_since_read = max(0, self._pinned_since_read - cls)
             raise
 
     def release(self, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
@@ -185,11 +188,13 @@ class HostPool:
 
     def _recent_ram_to_spare(self) -> int:
         """:func:`_ram_to_spare`, read at most once a second: with two lengths that alternate, the shorter borrows at
-        every saved tensor of every step, and reading the machine's memory costs tens of microseconds each time."""
+        every saved tensor of every step, and reading the machine's memory costs tens of microseconds each time.
+        What the pool pinned since the reading is taken off it (a step that pins new buffers and lends others does so
+        within the second: the reading before the pinning would lend where no replacement could be pinned)."""
         now = time.monotonic()
         if now - self._ram_read_at > _RAM_READ_EVERY_S:
-            self._ram_read_at, self._ram_read = now, _ram_to_spare()
-        return self._ram_read
+            self._ram_read_at, self._ram_read, self._pinned_since_read = now, _ram_to_spare(), 0
+        return self._ram_read - self._pinned_since_read
 
     def _make_room(self, nbytes: int, limit: int) -> None:
         # Idle buffers of other sizes are dropped before giving up: shapes change (new sequence length) and the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -283,3 +285,25 @@ def test_lending_reads_the_machines_memory_at_most_once_a_second(monkeypatch: py
     lent = [pool.acquire(200 * KiB, BIG)[0] for _ in range(50)]
     assert {buffer.numel() for buffer in lent} == {256 * KiB} and pool.allocations == 50
     assert len(reads) == 1
+
+
+def test_lending_counts_what_the_pool_pinned_since_it_last_read_the_machines_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The spare RAM read for lending may be up to a second old, but what the pool itself pinned since then is no
+    longer spare: a buffer is not lent where the RAM left could not pin its replacement, so a later request of the
+    larger class does not fail where buffers of the exact class would have fitted."""
+    from lightning_offload import host_pool
+
+    pool = HostPool(pinned=False)
+    machine = 992 * KiB  # spare RAM with the pool empty: the pool's buffers take from it
+    monkeypatch.setattr(host_pool, "_ram_to_spare", lambda: machine - pool.reserved_bytes)
+    monkeypatch.setattr(host_pool, "time", SimpleNamespace(monotonic=lambda: 0.0))  # all within one second
+    larger, _ = pool.acquire(256 * KiB, BIG)
+    pool.release(larger, None)
+    pool.release(pool.acquire(200 * KiB, BIG)[0], None)  # lent (RAM read now: 736 KiB spare)
+    pool.acquire(512 * KiB, BIG)  # pinned since: 224 KiB spare, less than a replacement for the 256 KiB buffer
+    small, _ = pool.acquire(200 * KiB, BIG)  # its own class (24 KiB spare after it)
+    again, _ = pool.acquire(256 * KiB, BIG)  # the idle 256 KiB buffer serves it (lent: HostMemoryFull)
+    assert small.numel() == size_class(200 * KiB) and pool.lent_bytes == 0
+    assert again.data_ptr() == larger.data_ptr()
