@@ -173,16 +173,18 @@ class HostPool:
         """The idle buffers of the smallest class above ``cls`` (at most twice it) that may serve a ``cls`` request.
 
         Inputs whose length changes need new classes at every length; a shorter one borrowing a longer one's idle
-        buffers pins nothing (pinning costs ~0.4 s/GiB). Lending stops where the limit would not leave room to pin a
-        replacement for every buffer lent: a later request of the larger class must not fail where exact classes
-        would have fitted (plans that offload close to what the pool may hold).
+        buffers pins nothing (pinning costs ~0.4 s/GiB). But a lent buffer wastes what it holds past the request, so
+        close to the limit a run of requests could find the pool full where buffers of their own classes would all
+        have fitted (plans that offload close to what the pool may hold, as capacity searches do). So the pool lends
+        only while what it holds and has lent, with the loan, stays within half its limit, and while the machine's
+        RAM could pin a replacement for every buffer lent.
         """
         larger = [c for c, bucket in self._free.items() if bucket and cls < c <= 2 * cls]
         if not larger:
             return None
         size = min(larger)
         spare = self.lent_bytes + size
-        if self.reserved_bytes + spare > limit or self._recent_ram_to_spare() < spare:
+        if 2 * (self.reserved_bytes + spare) > limit or self._recent_ram_to_spare() < spare:
             return None
         return self._free[size]
 

@@ -235,19 +235,19 @@ def test_a_request_borrows_an_idle_buffer_of_up_to_twice_its_class() -> None:
     assert again.data_ptr() == larger.data_ptr() and pool.allocations == 3
 
 
-def test_borrowing_stops_where_the_pool_could_not_pin_a_replacement_for_what_it_lent() -> None:
-    """A larger buffer is lent only while the limit leaves room to pin a replacement for every buffer lent: a later
-    request of the larger class must not fail where buffers of the exact class would have fitted."""
+def test_lending_stops_past_half_the_limit() -> None:
+    """A larger buffer is lent only while what the pool holds and has lent, with the loan, stays within half its
+    limit: a later request of the larger class then still finds room for a buffer of its own."""
     pool = HostPool(pinned=False)
-    limit = 1535 * KiB
+    limit = 1536 * KiB
     first, _ = pool.acquire(256 * KiB, limit)
     second, _ = pool.acquire(256 * KiB, limit)
     pool.release(first, None)
     pool.release(second, None)
-    lent, _ = pool.acquire(200 * KiB, limit)  # 512 held + 256 to replace it <= 1535: lent
+    lent, _ = pool.acquire(200 * KiB, limit)  # 512 held + 256 lent = 768 <= 1536 / 2: lent
     assert lent.numel() == 256 * KiB and pool.allocations == 2
     pool.acquire(512 * KiB, limit)  # 1024 held, 256 lent
-    own, _ = pool.acquire(200 * KiB, limit)  # 1024 held + 2 x 256 to replace > 1535: its own class
+    own, _ = pool.acquire(200 * KiB, limit)  # 1024 + 2 x 256 > 768: its own class
     assert own.numel() == size_class(200 * KiB) and pool.allocations == 4
 
 
@@ -307,3 +307,17 @@ def test_lending_counts_what_the_pool_pinned_since_it_last_read_the_machines_mem
     again, _ = pool.acquire(256 * KiB, BIG)  # the idle 256 KiB buffer serves it (lent: HostMemoryFull)
     assert small.numel() == size_class(200 * KiB) and pool.lent_bytes == 0
     assert again.data_ptr() == larger.data_ptr()
+
+
+def test_past_half_its_limit_the_pool_lends_nothing() -> None:
+    """A lent buffer wastes what it holds past the request, so close to the limit a run of requests can find the pool
+    full where buffers of their own class would all have fitted (seven 144 KiB requests under 1 MiB, two idle 256 KiB
+    buffers). Past half the limit (what it holds and has lent, with the loan) the pool lends nothing."""
+    pool = HostPool(pinned=False)
+    limit = MiB
+    idle = [pool.acquire(256 * KiB, limit)[0] for _ in range(2)]
+    for buffer in idle:
+        pool.release(buffer, None)
+    held = [pool.acquire(144 * KiB, limit)[0] for _ in range(7)]
+    assert {buffer.numel() for buffer in held} == {size_class(144 * KiB)}
+    assert pool.lent_bytes == 0
