@@ -28,36 +28,41 @@ import time
 import torch
 
 from benchmarks.models import build
-from benchmarks.workloads import CAPACITY_MODELS
+from benchmarks.workloads import CAPACITY_MODELS, tiny
 from lightning_offload import offload_activations
 
 out, arms = sys.argv[1], sys.argv[2].split(",")
 steps, low, high, step = (int(v) for v in sys.argv[3:7]) if len(sys.argv) > 3 else (24, 8192, 16384, 512)
-device = torch.device("cuda")
+# ``DEVICE=cpu``: the tiny model on the CPU (the loop and its bookkeeping, for tests; no memory counters there).
+device = torch.device(os.environ.get("DEVICE", "cuda"))
+cuda = device.type == "cuda"
 budget = os.environ.get("BUDGET", "6GiB")
 capped = os.environ.get("CAP") == "1"
 if os.environ.get("LEND") == "0":  # the host pool as it was: no request served by a larger idle buffer
     from lightning_offload.host_pool import HostPool
 
     HostPool._larger_to_lend = lambda self, cls, limit: None  # type: ignore[method-assign]
-if capped:
+if capped and cuda:
     if budget == "auto":
         raise SystemExit("CAP=1 caps the process at the budget: give BUDGET in GiB (e.g. 6GiB)")
     fraction = float(budget.removesuffix("GiB")) * 2**30 / torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(fraction)
 rng = random.Random(0)
 drawn = [rng.randrange(low, high + 1, step) for _ in range(steps)]
-bench = build(CAPACITY_MODELS["smallvocab-h1024"], device, max_seq=high)
+workload = CAPACITY_MODELS["smallvocab-h1024"]
+bench = build(workload if cuda else tiny(workload), device, max_seq=high)
 vocab = 256
 results = {"lengths": drawn, "budget": budget}
 for arm in arms:
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     model = bench.module
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    off = None if arm == "none" else offload_activations(model=model, memory_budget=budget)
+    off = None if arm == "none" else offload_activations(model=model, memory_budget=budget, compute_device=device.type)
     measured, times, previous, info, ooms, step_peaks = [], [], None, [], 0, []
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for n in lengths:
         ids = torch.randint(0, vocab, (1, n), device=device)
         if off is None:
@@ -67,31 +72,34 @@ for arm in arms:
         elif arm != "replan_every_change":
             off.input_changed(tuple(ids.shape))
         previous = n
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             with off if off is not None else contextlib.nullcontext():
-                measured.append(off is not None and bool(off.planner.measuring))
+                # (No planner on the CPU: the allocator's counters it plans from are CUDA's.)
+                measured.append(off is not None and off.planner is not None and off.planner.measuring)
                 loss = bench.loss(ids)
             loss.backward()
             optimizer.step()
-        except torch.cuda.OutOfMemoryError:
+        except torch.OutOfMemoryError:
             ooms += 1
             loss = None
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         # The step's own peaks: the planner resets the counters as each of its steps begins, so the process's
         # maximum read after the last step would be the last step's alone.
-        step_peaks.append((torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()))
+        step_peaks.append((torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if cuda else (0, 0))
         if off is None:
             info.append({"trying": False, "offload_gib": 0.0, "new_host_buffers": 0, "pinned_gib": 0.0, "plan": None})
             continue
         stats, planner = off.collect_stats(wait=True), off.planner
-        plan = planner.plan
+        plan = planner.plan if planner is not None else None
         info.append(
             {
-                "trying": bool(planner.trying),
+                "trying": planner is not None and planner.trying,
                 "offload_gib": round(stats.offloaded_bytes / 2**30, 2),
                 "new_host_buffers": stats.host_allocations,
                 "pinned_gib": round(stats.host_pinned_bytes / 2**30, 2),
