@@ -35,6 +35,7 @@ Torch only: no Lightning import.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -116,6 +117,8 @@ _CAPACITY_ROUNDING = 1 << 20
 # Inputs whose plans are kept while other inputs run (see BudgetPlanner.input_changed): lengths that change from batch
 # to batch (padded to each batch's longest, or bucketed) come back, and one met again runs its plan without measuring.
 _REMEMBERED_INPUTS = 32
+# Steps of the current plan an input remembers, to tell whether two slow forwards were two of its steps in a row.
+_PLAN_STEPS_KEPT = 4
 _NO_INPUT: Any = object()  # no input named yet
 
 
@@ -136,6 +139,8 @@ class _InputState:
     measured: int
     tripped: bool
     settling: bool  # its plan's next step is a newly kept plan's first (see BudgetPlanner._cache_worth_emptying)
+    plan_steps: tuple[int, ...]  # its latest steps that ran its plan (see BudgetPlanner.forward_computed)
+    slow_forward: tuple[int, float] | None  # its latest planned step whose forward computed slow
 
 
 def default_budget(total: int) -> int:
@@ -220,6 +225,9 @@ class BudgetPlanner:
         self._copy_ms_per_gib = 0.0  # what planned steps taught (see forward_computed)
         # The latest planned step whose forward computed slow, and by how much (see forward_computed).
         self._slow_forward: tuple[int, float] | None = None
+        # The current input's latest steps that ran its current plan (with inputs that alternate, not consecutive;
+        # a few, as a forward's timing is read when it has finished, a step or so later).
+        self._plan_steps: tuple[int, ...] = ()
         self._pinning_steps: set[int] = set()  # planned steps that pinned new host buffers
         self._plan_since: int | None = None  # the first step that ran the current plan
         self.forward_peak = 0  # the latest step's peak when its backward began (forward's, the loss's included)
@@ -413,6 +421,8 @@ class BudgetPlanner:
                 self._measured,
                 self.tripped,
                 self._settling,
+                self._plan_steps,
+                self._slow_forward,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
@@ -434,7 +444,7 @@ class BudgetPlanner:
         self._measured_peaks, self._reserved_gap, self._base = kept.measured_peaks, kept.reserved_gap, kept.base
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
-        self._slow_forward = None
+        self._plan_steps, self._slow_forward = kept.plan_steps, kept.slow_forward
         # Its plan's first step checks the cache where it has not yet (with inputs that alternate, measuring ends as
         # another input's step begins). A cache found worth emptying is emptied before the next step all the same:
         # it is the process's, not the input's. (Both were dropped here: with lengths that change from batch to batch,
@@ -452,7 +462,7 @@ class BudgetPlanner:
         # The plan held is the old input's: steps from here on (measuring ones first) did not run it, even where the
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
         self._plan_since = None
-        self._slow_forward = None
+        self._plan_steps, self._slow_forward = (), None
         self._measure_left = max(self._measure_left, measuring_steps)
         self._measured = 0
         self._trials.reset()
@@ -486,6 +496,7 @@ class BudgetPlanner:
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
             if self._plan_since is None:
                 self._plan_since = self.step
+            self._plan_steps = (*self._plan_steps[-(_PLAN_STEPS_KEPT - 1) :], self.step)
             return self.plan
         self._measuring = True
         # A frugal measuring step (below) also checkpoints every block but one, by their parts: the least the step can
@@ -829,25 +840,46 @@ class BudgetPlanner:
             return False
         return step not in self._pinning_steps and self.plan.offload_bytes > 0
 
+    def _kept_offload(self, step: int) -> _InputState | None:
+        """The input kept for later whose plan step ``step`` ran, where that plan offloads. A forward's timing is read
+        once it has finished, a step or so later: with inputs that alternate, by then another input runs."""
+        if step in self._pinning_steps:
+            return None
+        for kept in self._remembered.values():
+            if step in kept.plan_steps and kept.plan is not None and kept.profile is not None:
+                return kept if kept.plan.offload_bytes > 0 else None
+        return None
+
     def forward_computed(self, step: int, compute_ms: float) -> None:
-        """Step ``step``'s forward computed for ``compute_ms`` (its waits for copies excluded). Where it and the step
-        before it ran the current plan, offloaded bytes and computed clearly slower than the measured forward, copies
-        slowed compute (memory bandwidth, the host's hooks): learn that cost per GiB and plan again (only ever higher,
-        so plans move towards checkpointing and never back and forth). On an H200, Llama-1B's forward took 83 ms
-        instead of 57 with 2.2 GiB of copies that the link model called hidden."""
-        plan, profile = self.plan, self.profile
-        if not self._ran_current_offload(step) or plan is None or profile is None:
+        """Step ``step``'s forward computed for ``compute_ms`` (its waits for copies excluded). Where it and its
+        input's step before it ran that input's plan, offloaded bytes and computed clearly slower than the measured
+        forward, copies slowed compute (memory bandwidth, the host's hooks): learn that cost per GiB and plan again
+        (only ever higher, so plans move towards checkpointing and never back and forth). On an H200, Llama-1B's
+        forward took 83 ms instead of 57 with 2.2 GiB of copies that the link model called hidden. A step of an input
+        kept for later teaches the cost too (a property of the machine): that input plans with it when it comes
+        back."""
+        kept = None if self._ran_current_offload(step) else self._kept_offload(step)
+        if kept is None and not self._ran_current_offload(step):
             return
+        if kept is None:
+            plan, profile, plan_steps, earlier = self.plan, self.profile, self._plan_steps, self._slow_forward
+        else:
+            plan, profile, plan_steps, earlier = kept.plan, kept.profile, kept.plan_steps, kept.slow_forward
+        assert plan is not None and profile is not None
         slower = compute_ms - profile.forward_ms
         if slower <= max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * profile.forward_ms):
             return
         # Two planned steps in a row, and the lesser of them: one slow forward (a host hiccup, a step after another
         # row's allocations) taught 16 ms per GiB on 8B LoRA on an H200, and moved a 1.08x plan to checkpointing.
-        earlier, self._slow_forward = self._slow_forward, (step, slower)
-        if earlier is None or earlier[0] != step - 1:
+        # In a row for the input: with inputs that alternate, its own latest steps of this plan.
+        if kept is None:
+            self._slow_forward = (step, slower)
+        else:
+            kept.slow_forward = (step, slower)
+        if earlier is None or (earlier[0], step) not in itertools.pairwise(plan_steps):
             return
         per_gib = min(slower, earlier[1]) / (plan.offload_bytes / GiB)
-        if per_gib <= profile.copy_ms_per_gib * (1 + _WAIT_NOISE_SHARE):
+        if per_gib <= max(profile.copy_ms_per_gib, self._copy_ms_per_gib) * (1 + _WAIT_NOISE_SHARE):
             return
         _log.info(
             "memory_budget: a planned step's forward computed %.1f ms slower than measured with %.2f GiB offloaded: "
@@ -856,24 +888,28 @@ class BudgetPlanner:
             plan.offload_bytes / GiB,
             per_gib,
         )
-        self._copy_ms_per_gib = per_gib  # kept for later measurements, like the link's share
-        self.profile = dataclasses.replace(profile, copy_ms_per_gib=per_gib)
-        self._choose()
+        self._copy_ms_per_gib = per_gib  # kept for later measurements and inputs, like the link's share
+        if self.profile is not None and per_gib > self.profile.copy_ms_per_gib:
+            self.profile = dataclasses.replace(self.profile, copy_ms_per_gib=per_gib)
+            self._choose()
 
     def waited_for_copies(self, step: int, waited_ms: float) -> None:
-        """Step ``step`` waited ``waited_ms`` for copies (forward and backward). Where it ran the current plan and
+        """Step ``step`` waited ``waited_ms`` for copies (forward and backward). Where it ran its input's plan and
         waited clearly longer than that plan's offloading was predicted to cost, copies beside compute get less of
         the link than measured alone: lower the link's share in the model to what explains the wait, and plan again
-        (only ever lower, so plans move towards checkpointing and never back and forth)."""
-        plan, profile = self.plan, self.profile
-        if not self._ran_current_offload(step) or plan is None or profile is None:
+        (only ever lower, so plans move towards checkpointing and never back and forth). A step of an input kept for
+        later teaches the share too (see :meth:`forward_computed`)."""
+        kept = None if self._ran_current_offload(step) else self._kept_offload(step)
+        if kept is None and not self._ran_current_offload(step):
             return
+        plan, profile = (self.plan, self.profile) if kept is None else (kept.plan, kept.profile)
+        assert plan is not None and profile is not None
         predicted = offload_cost_ms(profile, plan)
         noise = max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))
         if waited_ms <= predicted + noise:
             return
         share = fit_link_share(profile, plan, waited_ms)
-        if share < profile.link_share - 0.01:
+        if share < min(profile.link_share, self._link_share) - 0.01:
             _log.info(
                 "memory_budget: a planned step waited %.1f ms for copies (predicted %.1f ms): copies get %.0f%% of "
                 "the link beside compute, not %.0f%%; planning again",
@@ -883,8 +919,9 @@ class BudgetPlanner:
                 100 * profile.link_share,
             )
             self._link_share = share  # kept for later measurements (a new input shape): a property of the machine
-            self.profile = dataclasses.replace(profile, link_share=share)
-            self._choose()
+            if self.profile is not None and share < self.profile.link_share:
+                self.profile = dataclasses.replace(self.profile, link_share=share)
+                self._choose()
 
     def _choose(self, memory: bool = False) -> None:
         """Choose the plan for the next step from the profile: the model's cheapest, or, while plans are under
@@ -905,6 +942,7 @@ class BudgetPlanner:
         self.plan = plan
         if changed:
             self._plan_since = None
+            self._plan_steps = ()
         # Trials just ended, or a plan that runs other blocks or bytes follows a kept one (not a new prediction alone):
         # its first step says whether the cache the steps before it left is worth emptying. (The first plan after
         # measuring steps is armed where they end.)

@@ -1941,3 +1941,33 @@ def test_a_short_inputs_plan_leaves_the_cache_a_longer_input_kept_needs() -> Non
         step_on(engine, model, x)
     assert memory.peaks and max(memory.peaks) > 1.2 * min(p for p in memory.peaks if p > 0)  # the inputs differ
     assert state["releases"] == 0
+
+
+def test_slow_forwards_with_copies_teach_their_cost_also_where_inputs_alternate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Copies slowing compute are learnt from two slow planned steps of the current plan in a row: with inputs that
+    alternate at every step (lengths that change from batch to batch), those are the input's own two latest steps,
+    not two consecutive steps of the run (which never ran the same input, so the cost was never learnt). One slow step
+    of an input between two others still teaches nothing."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    _, model, engine = offloading_over_a_slow_link(act)
+    for key in ["a", "b"] * 4:
+        step_on(engine, model, x, key=key)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    first = planner.plan
+    assert first.offload_bytes > 0 and not planner.trying and planner.profile.copy_ms_per_gib == 0.0
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "BLOCK_MS", 2 * BLOCK_MS)  # one slow step of "a": a hiccup, not a lesson
+    step_on(engine, model, x, key="a")
+    monkeypatch.setattr(module, "BLOCK_MS", BLOCK_MS)
+    for key in ["b", "a", "b"]:
+        step_on(engine, model, x, key=key)
+    assert planner.profile.copy_ms_per_gib == 0.0
+    monkeypatch.setattr(module, "BLOCK_MS", 2 * BLOCK_MS)  # forward computes twice as long from now on
+    steps = [step_on(engine, model, x, key=key) for key in ["a", "b"] * 3]
+    assert planner.profile.copy_ms_per_gib > 0
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
