@@ -1971,3 +1971,26 @@ def test_slow_forwards_with_copies_teach_their_cost_also_where_inputs_alternate(
     assert planner.profile.copy_ms_per_gib > 0
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
+
+
+def test_waits_for_copies_longer_than_predicted_shift_the_plan_also_where_inputs_alternate() -> None:
+    """A planned step's waits are read a step or so after it ran: with inputs that alternate at every step, another
+    input runs by then. The waits still teach the link's share (a property of the machine) and both inputs plan with
+    it: less offloading, the same gradients."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    sim, model, engine = offloading_over_a_slow_link(act)
+    for key in ["a", "b"] * 4:
+        step_on(engine, model, x, key=key)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    first = planner.plan
+    assert first.offload_bytes > 0 and first.checkpoint_blocks == 0 and not planner.trying
+    sim.bytes_per_ms = float(32 * KiB)  # 16x slower from now on
+    steps = [step_on(engine, model, x, key=key) for key in ["a", "b"] * 4]
+    for key in ["a", "b"]:
+        step_on(engine, model, x, key=key)
+        assert planner.profile.link_share < 0.5
+        assert planner.plan.checkpoint_blocks > 0 and planner.plan.offload_bytes < first.offload_bytes
+    for s in steps:
+        assert_same_grads(s["grads"], reference_grads(x))
