@@ -100,6 +100,64 @@ class TinyTransformer(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+class LengthBlock(nn.Module):
+    """A pre-norm transformer block (causal SDPA attention, GELU MLP) whose parts the planner can checkpoint apart;
+    ``sim`` (a :class:`~lightning_offload.streams.SimulatedStreams`) takes ``ms`` of simulated compute per forward.
+    ``dropout``: on the output of the attention and of the MLP (none at 0)."""
+
+    def __init__(self, dim: int, heads: int, sim: Any = None, ms: float = 2.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim), Attention(dim, heads, "sdpa")
+        self.ln2, self.mlp = (
+            nn.LayerNorm(dim),
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)),
+        )
+        self.drop: nn.Module = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.sim, self.ms = sim, ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sim is not None:
+            self.sim.advance(self.ms)
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class LengthLM(nn.Module):
+    """A small causal language model for inputs whose sequence length changes: token embedding, ``layers``
+    :class:`LengthBlock`, a head and next-token cross entropy. Its weights are fixed by a seed, so every build is
+    identical; ``sim`` times its blocks (and 1 ms for the loss) on a simulated clock."""
+
+    def __init__(
+        self,
+        sim: Any = None,
+        vocab: int = 128,
+        dim: int = 64,
+        heads: int = 4,
+        layers: int = 6,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LengthBlock(dim, heads, sim, dropout=dropout) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+        self.sim = sim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        if self.sim is not None:
+            self.sim.advance(1.0)
+        logits = self.head(self.ln_f(h))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def length_tokens(length: int, batch: int = 2, vocab: int = 128) -> torch.Tensor:
+    """A batch of ``length`` tokens per row for :class:`LengthLM`, the same for the same length."""
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
 class ViewsModel(nn.Module):
     """Saves transposes, strided slices, expands, permutes and chunk/split views of one projection."""
 

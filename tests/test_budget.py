@@ -19,9 +19,10 @@ from lightning_offload import OffloadOptions, offload_activations, plan_trials
 from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
+from lightning_offload.host_pool import pool_for
 from lightning_offload.schedule import StepProfile, cheapest_plan, trial_plans
 from lightning_offload.streams import SimulatedStreams
-from tests.models import Mix, assert_same_grads
+from tests.models import LengthLM, Mix, assert_same_grads, length_tokens
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 WIDTH, BATCH, BLOCKS = 256, 64, 8
@@ -1994,3 +1995,119 @@ def test_waits_for_copies_longer_than_predicted_shift_the_plan_also_where_inputs
         assert planner.plan.checkpoint_blocks > 0 and planner.plan.offload_bytes < first.offload_bytes
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
+
+
+def lm_activation_bytes(tokens: torch.Tensor, checkpointed: tuple[str, ...] = ()) -> int:
+    """The eligible bytes one step of :class:`~tests.models.LengthLM` saves on ``tokens`` with the modules
+    ``checkpointed`` so (measured on a plain copy of the model with an engine that only counts). The random state is
+    left as it was: the counters read this between a training loop's seeding and its step."""
+    with torch.random.fork_rng():
+        model = LengthLM()  # (it seeds the generator)
+        if checkpointed:
+            apply_checkpointing(model, list(checkpointed))
+        counting = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
+        with counting:
+            loss = model(tokens)
+        loss.backward()
+    return counting.stats.eligible_bytes
+
+
+class LengthMemory(FakeMemory):
+    """:class:`FakeMemory` for :class:`~tests.models.LengthLM`: a step without hooks keeps what the model saves on the
+    current input (``unhooked_input``) with the modules checkpointed then."""
+
+    def _unhooked_bytes(self) -> int:
+        assert self.unhooked_model is not None and self.unhooked_input is not None
+        key = (tuple(checkpointed_modules(self.unhooked_model)), tuple(self.unhooked_input.shape))
+        if key not in self._unhooked:
+            self._unhooked[key] = lm_activation_bytes(self.unhooked_input, key[0])
+        return self._unhooked[key]
+
+
+LENGTHS = [48, 32, 48, 16, 32, 48, 16, 32, 48, 32, 16, 48]
+
+
+def train_lengths(
+    model: nn.Module, engine: OffloadEngine | None = None, memory: FakeMemory | None = None
+) -> dict[str, list[Any]]:
+    """SGD on :func:`~tests.models.length_tokens` batches of ``LENGTHS``, each named to ``engine`` (when given) by its
+    shape, the random generator seeded once first (dropout's masks): per step, the gradients and the weights after the
+    update; with the engine, also each step's plan (``None`` while measuring), offloaded bytes, blocks checkpointed and
+    the host pool's lent bytes as forward ended."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    pool = pool_for(torch.device("cpu"))
+    out: dict[str, list[Any]] = {"grads": [], "weights": [], "plans": [], "offloaded": [], "wrapped": [], "lent": []}
+    torch.manual_seed(100)
+    for length in LENGTHS:
+        tokens = length_tokens(length)
+        optimizer.zero_grad(set_to_none=True)
+        if engine is None:
+            loss = model(tokens)
+        else:
+            assert memory is not None
+            engine.end_step()  # (the step before is counted on its own input's bytes)
+            memory.unhooked_input = tokens
+            engine.input_changed(tuple(tokens.shape))
+            with engine:
+                planner = engine.planner
+                assert planner is not None
+                out["plans"].append(None if planner.measuring else planner.plan)
+                out["wrapped"].append(checkpointed_modules(model))
+                loss = model(tokens)
+                out["lent"].append(pool.lent_bytes)
+        loss.backward()
+        if engine is not None:
+            out["offloaded"].append(engine.stats.offloaded_bytes)
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("budget_share", "lag", "light", "trials"),
+    [(4.0, 3, False, False), (4.8, 0, True, False), (4.8, None, True, False), (4.8, 3, True, True)],
+    ids=["by-parts-lag3", "recompute-lag0", "recompute-lag-none", "trials-lag3"],
+)
+def test_lengths_that_change_and_come_back_train_as_without_the_engine_under_plans_that_recompute_and_offload(
+    budget_share: float, lag: int | None, light: bool, trials: bool
+) -> None:
+    """The product's first rule with inputs whose length changes from batch to batch and comes back (48, 32, 48, 16,
+    ...): each length measured once, then run on its own kept plan, on simulated copy streams whose copies run late
+    (``lag``); where ``trials``, the plans worth comparing are timed against each other (each input's trials switch
+    its plan from step to step). Under a budget the plans checkpoint blocks (by their parts, or whole with others
+    recomputing their elementwise operations) and offload part of what is saved, and a shorter length's copies go to
+    host buffers a longer one left idle (lent). Every step's gradients, and the weights after each SGD update, are
+    bit-for-bit those of plain training, dropout's masks included."""
+    act = lm_activation_bytes(length_tokens(max(LENGTHS)))
+    sim = SimulatedStreams(lag=lag, bytes_per_ms=float(16 * KiB))  # a slow link: recompute is worth its time
+    model = LengthLM(sim, dropout=0.1)
+    memory = LengthMemory(base=4 * act, transient=act // 2)  # weights on the device, and the loss's transient
+    memory.unhooked_model = model
+    engine = planned_engine(int(budget_share * act), memory, model, sim, trials=trials)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the host pool never ran full
+        got = train_lengths(model, engine, memory)
+    want = train_lengths(LengthLM(dropout=0.1))
+    for step, length in enumerate(LENGTHS):
+        assert_same_grads(got["grads"][step], want["grads"][step])
+        for name, weight in want["weights"][step].items():
+            assert torch.equal(got["weights"][step][name], weight), f"step {step} (length {length}): {name}"
+    # Every length came back and ran a plan (its own: they differ), not a measuring step.
+    planned = [(length, plan) for length, plan in zip(LENGTHS, got["plans"], strict=True) if plan is not None]
+    assert {length for length, _ in planned} == set(LENGTHS)
+    assert len({plan for _, plan in planned}) > 1
+    ran = [
+        (plan, nbytes, wrapped)
+        for plan, nbytes, wrapped in zip(got["plans"], got["offloaded"], got["wrapped"], strict=True)
+        if plan is not None
+    ]
+    assert any(nbytes > 0 for _, nbytes, _ in ran), "no planned step offloaded"
+    assert any(plan.checkpoint_blocks and wrapped for plan, _, wrapped in ran), "no planned step checkpointed"
+    if light:
+        assert any(plan.light_blocks for plan, _, _ in ran), "no planned step recomputed elementwise operations"
+    else:
+        assert any(plan.split for plan, _, _ in ran), "no planned step checkpointed blocks by their parts"
+    assert max(got["lent"]) > 0, "no host buffer was lent"
+    engine.close()
+    assert checkpointed_modules(model) == []

@@ -33,8 +33,9 @@ from lightning_offload.budget import BudgetPlanner
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
+from lightning_offload.streams import SimulatedStreams
 from tests import test_budget as budget_tests
-from tests.models import MLP, CheckpointModel
+from tests.models import MLP, CheckpointModel, LengthLM, length_tokens
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
@@ -1507,3 +1508,94 @@ def test_under_gradient_accumulation_each_inputs_plan_learns_from_its_own_batche
     assert planned == {(2 * BATCH, 6 << 30, 0), (BATCH, 2 << 30, 0)}
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/peak_allocated_gib")]
     assert [row["offload/peak_allocated_gib"] for row in rows] == ["6.0"] * 5
+
+
+class LengthLit(LitNet):
+    """Trains ``net``, a :class:`~tests.models.LengthLM`, on token batches whose length changes; records every step's
+    gradients and the weights after each batch. With ``memory`` (the counters the planner reads), it names each batch's
+    input to them, and notes, per batch, the planner's plan (``None`` while measuring), the modules checkpointed and
+    the host pool's lent bytes as forward ended."""
+
+    def __init__(self, net: nn.Module, offload: ActivationOffloadCallback | None = None, memory: Any = None) -> None:
+        super().__init__(lambda: net, offload)
+        self.memory = memory
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.plans: list[Any] = []
+        self.wrapped: list[list[str]] = []
+        self.lent: list[int] = []
+
+    def on_train_start(self) -> None:
+        torch.manual_seed(100)  # dropout's masks: the same in every fit
+
+    def on_fit_start(self) -> None:
+        if self.memory is not None:
+            assert self.offload is not None
+            self.memory.engine = self.offload.engine  # the counters read what the engine keeps on the device
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.memory is not None:  # (after the callback's hook: the step before was counted on its own input)
+            self.memory.unhooked_input = batch
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.net(batch)
+        if self.offload is not None:
+            engine = self.offload.engine
+            assert engine is not None and engine.planner is not None
+            self.plans.append(None if engine.planner.measuring else engine.planner.plan)
+            self.wrapped.append(checkpointed_modules(self.net))
+            self.lent.append(pool_for(CPU).lent_bytes)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.weights.append({n: p.detach().clone() for n, p in self.named_parameters()})
+
+
+@pytest.mark.parametrize(("accumulate", "lag"), [(1, 3), (2, None)], ids=["lag3", "accumulate2-lag-none"])
+def test_lengths_that_change_and_come_back_train_as_without_the_callback_under_plans_that_recompute_and_offload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accumulate: int, lag: Any
+) -> None:
+    """Through the callback, a DataLoader whose batches change length and come back (48, 32, 48, 16, ...), under a
+    budget: each length is measured once and then runs its own kept plan, which checkpoints blocks, recomputes the
+    elementwise operations of others and offloads part of what is saved, on simulated copy streams; a shorter length's
+    copies go to host buffers a longer one left idle (lent). Every step's gradients, the weights after each step and
+    at the end are bit-for-bit those of the same fit without the callback, dropout's masks included."""
+    lengths = budget_tests.LENGTHS
+    data = [length_tokens(length) for length in lengths]
+    act = budget_tests.lm_activation_bytes(length_tokens(max(lengths)))
+    sim = SimulatedStreams(lag=lag, bytes_per_ms=float(16 << 10))  # a slow link: recompute pays
+    net = LengthLM(sim, dropout=0.1)
+    memory = budget_tests.LengthMemory(base=4 * act, transient=act // 2)
+    memory.unhooked_model = net
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+        planner = planner_for(options, device, transfer, model, memory)
+        if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
+            planner.on_plan = lambda text: None  # set: the callback leaves the planner resetting the peak every step
+        return planner
+
+    callback = offload_callback(
+        memory_budget=int(4.8 * act), plan_trials=False, max_inflight_bytes=64 << 10, prefetch_bytes=64 << 10
+    )
+    module = LengthLit(net, callback, memory)
+    steps = len(lengths) // accumulate
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
+        patch.setattr(engine_module, "planner_for", with_memory)
+        fit(tmp_path / "offload", module, data, [callback], max_steps=steps, accumulate_grad_batches=accumulate)
+    plain = LengthLit(LengthLM(dropout=0.1))
+    fit(tmp_path / "plain", plain, data, max_steps=steps, accumulate_grad_batches=accumulate)
+    assert_same_training(module, plain)
+    assert len(module.weights) == len(plain.weights) == len(lengths)
+    for step, (got, want) in enumerate(zip(module.weights, plain.weights, strict=True)):
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"step {step} (length {lengths[step]}): {name}"
+    planned = [(length, plan) for length, plan in zip(lengths, module.plans, strict=True) if plan is not None]
+    assert {length for length, _ in planned} == set(lengths)  # every length came back to its plan
+    ran = [(plan, wrapped) for plan, wrapped in zip(module.plans, module.wrapped, strict=True) if plan is not None]
+    assert any(plan.offload_bytes for plan, _ in ran), "no planned step offloaded"
+    assert any(plan.checkpoint_blocks and wrapped for plan, wrapped in ran), "no planned step checkpointed"
+    assert any(plan.light_blocks for plan, _ in ran), "no planned step recomputed elementwise operations"
+    assert max(module.lent) > 0, "no host buffer was lent"
+    assert checkpointed_modules(net) == []  # the fit's end took the planner's wrappers off
+    assert_clean(callback)

@@ -27,10 +27,12 @@ from tests.models import (
     CASES,
     Case,
     CheckpointModel,
+    LengthLM,
     Probe,
     assert_inplace_error_or_exact_grad,
     assert_same_grads,
     build,
+    length_tokens,
     make_engine,
     probe,
     tanh_chain,
@@ -1140,3 +1142,58 @@ def test_two_engines_in_one_process_report_their_own_host_figures(mode: str) -> 
     assert stats_a.host_bytes_held == stats_b.host_bytes_held >= stats_a.offloaded_bytes
     (loss_a + loss_b).backward()
     assert a.collect_stats(wait=True).host_bytes_held == 0 and b.collect_stats(wait=True).host_bytes_held == 0
+
+
+# ------------------------------------------------------------------------------------------ lengths that change
+
+
+LENGTHS = [48, 32, 48, 16, 32, 48, 16, 32]
+
+
+def train_lengths(model: nn.Module, engine: OffloadEngine | None, pool: HostPool) -> dict[str, list[Any]]:
+    """SGD on :func:`~tests.models.length_tokens` batches of ``LENGTHS`` (4 rows each), named to ``engine`` by their
+    shape when given, the random generator seeded once first (dropout's masks): per step, the gradients, the weights
+    after the update, the host pool's lent bytes as forward ended and the host buffers the step allocated."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(100)
+    out: dict[str, list[Any]] = {"grads": [], "weights": [], "lent": [], "allocations": []}
+    for length in LENGTHS:
+        tokens = length_tokens(length, batch=4)
+        optimizer.zero_grad(set_to_none=True)
+        if engine is not None:
+            engine.input_changed(tuple(tokens.shape))
+        with maybe(engine):
+            loss = model(tokens)
+            out["lent"].append(pool.lent_bytes)
+        loss.backward()
+        if engine is not None:
+            out["allocations"].append(engine.stats.host_allocations)
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("checkpoint", "recompute"), [(None, "all"), ("auto", "all"), ("auto", "elementwise")], ids=["none", "all", "elem"]
+)
+def test_lengths_that_change_and_come_back_train_as_without_the_engine(
+    mode: str, checkpoint: str | None, recompute: str, cpu_pool: HostPool
+) -> None:
+    """Batches whose sequence length changes and comes back (48, 32, 48, 16, ...) through one engine: everything
+    eligible offloaded, or only the blocks' inputs with the blocks checkpointed (recomputed whole, or only their
+    elementwise operations). A shorter length's copies go to idle host buffers of a longer one (lent, up to twice its
+    size class), and are read back from them. Every step's gradients, and the weights after each SGD update, are
+    bit-for-bit those of plain training, dropout's masks included."""
+    model = LengthLM(dim=128, dropout=0.1)
+    engine = make_engine(mode=mode, model=model, checkpoint=checkpoint, recompute=recompute)
+    got = train_lengths(model, engine, cpu_pool)
+    want = train_lengths(LengthLM(dim=128, dropout=0.1), None, cpu_pool)
+    for step, length in enumerate(LENGTHS):
+        assert_same_grads(got["grads"][step], want["grads"][step])
+        for name, weight in want["weights"][step].items():
+            assert torch.equal(got["weights"][step][name], weight), f"step {step} (length {length}): {name}"
+    assert max(got["lent"]) > 0, "no host buffer was lent"
+    if checkpoint is not None:  # the blocks' inputs of every shorter length fit the longest one's idle buffers
+        assert got["allocations"][0] > 0 and got["allocations"][1:] == [0] * (len(LENGTHS) - 1)
