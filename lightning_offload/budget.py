@@ -840,14 +840,19 @@ class BudgetPlanner:
             return False
         return step not in self._pinning_steps and self.plan.offload_bytes > 0
 
-    def _kept_offload(self, step: int) -> _InputState | None:
-        """The input kept for later whose plan step ``step`` ran, where that plan offloads. A forward's timing is read
-        once it has finished, a step or so later: with inputs that alternate, by then another input runs."""
+    def _offload_step(self, step: int) -> tuple[Plan, StepProfile, _InputState | None] | None:
+        """The plan that step ``step`` ran, where it offloads, with its input's profile and, for an input kept for
+        later, that input's state (``None``: the current input's). A forward's timing is read once it has finished, a
+        step or so later: with inputs that alternate, by then another input runs. ``None``: its timing says nothing
+        of the copies (see :meth:`_ran_current_offload`)."""
+        if self._ran_current_offload(step):
+            assert self.plan is not None and self.profile is not None
+            return self.plan, self.profile, None
         if step in self._pinning_steps:
             return None
         for kept in self._remembered.values():
             if step in kept.plan_steps and kept.plan is not None and kept.profile is not None:
-                return kept if kept.plan.offload_bytes > 0 else None
+                return (kept.plan, kept.profile, kept) if kept.plan.offload_bytes > 0 else None
         return None
 
     def forward_computed(self, step: int, compute_ms: float) -> None:
@@ -858,14 +863,13 @@ class BudgetPlanner:
         forward took 83 ms instead of 57 with 2.2 GiB of copies that the link model called hidden. A step of an input
         kept for later teaches the cost too (a property of the machine): that input plans with it when it comes
         back."""
-        kept = None if self._ran_current_offload(step) else self._kept_offload(step)
-        if kept is None and not self._ran_current_offload(step):
+        ran = self._offload_step(step)
+        if ran is None:
             return
-        if kept is None:
-            plan, profile, plan_steps, earlier = self.plan, self.profile, self._plan_steps, self._slow_forward
-        else:
-            plan, profile, plan_steps, earlier = kept.plan, kept.profile, kept.plan_steps, kept.slow_forward
-        assert plan is not None and profile is not None
+        plan, profile, kept = ran
+        plan_steps, earlier = (
+            (self._plan_steps, self._slow_forward) if kept is None else (kept.plan_steps, kept.slow_forward)
+        )
         slower = compute_ms - profile.forward_ms
         if slower <= max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * profile.forward_ms):
             return
@@ -899,11 +903,10 @@ class BudgetPlanner:
         the link than measured alone: lower the link's share in the model to what explains the wait, and plan again
         (only ever lower, so plans move towards checkpointing and never back and forth). A step of an input kept for
         later teaches the share too (see :meth:`forward_computed`)."""
-        kept = None if self._ran_current_offload(step) else self._kept_offload(step)
-        if kept is None and not self._ran_current_offload(step):
+        ran = self._offload_step(step)
+        if ran is None:
             return
-        plan, profile = (self.plan, self.profile) if kept is None else (kept.plan, kept.profile)
-        assert plan is not None and profile is not None
+        plan, profile, _ = ran
         predicted = offload_cost_ms(profile, plan)
         noise = max(_WAIT_NOISE_MS, _WAIT_NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))
         if waited_ms <= predicted + noise:

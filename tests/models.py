@@ -158,6 +158,14 @@ def length_tokens(length: int, batch: int = 2, vocab: int = 128) -> torch.Tensor
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
 
 
+def sgd_update_recorded(model: nn.Module, optimizer: torch.optim.Optimizer, out: dict[str, list[Any]]) -> None:
+    """After a backward: note each parameter's gradient in ``out["grads"]``, step ``optimizer`` and note the weights
+    after the update in ``out["weights"]`` (the tests of lengths that change compare both with plain training)."""
+    out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+    optimizer.step()
+    out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 class ViewsModel(nn.Module):
     """Saves transposes, strided slices, expands, permutes and chunk/split views of one projection."""
 

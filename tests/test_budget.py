@@ -20,9 +20,9 @@ from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import pool_for
-from lightning_offload.schedule import StepProfile, cheapest_plan, trial_plans
+from lightning_offload.schedule import Plan, StepProfile, cheapest_plan, trial_plans
 from lightning_offload.streams import SimulatedStreams
-from tests.models import LengthLM, Mix, assert_same_grads, length_tokens
+from tests.models import LengthLM, Mix, assert_same_grads, length_tokens, sgd_update_recorded
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 WIDTH, BATCH, BLOCKS = 256, 64, 8
@@ -1944,6 +1944,20 @@ def test_a_short_inputs_plan_leaves_the_cache_a_longer_input_kept_needs() -> Non
     assert state["releases"] == 0
 
 
+def planned_on_alternating_inputs() -> tuple[torch.Tensor, SimulatedStreams, Stack, OffloadEngine, BudgetPlanner, Plan]:
+    """The setup of the tests of learning from steps of inputs that alternate: a ``Stack`` offloading over a slow link,
+    run four times on each of two inputs "a" and "b" taken in turn (the same tensor), until each runs a kept plan that
+    offloads. Returns the input, the link, the model, the engine, its planner and the plan it runs."""
+    x = torch.randn(BATCH, WIDTH)
+    sim, model, engine = offloading_over_a_slow_link(activation_bytes(x))
+    for key in ["a", "b"] * 4:
+        step_on(engine, model, x, key=key)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    assert planner.plan.offload_bytes > 0 and not planner.trying
+    return x, sim, model, engine, planner, planner.plan
+
+
 def test_slow_forwards_with_copies_teach_their_cost_also_where_inputs_alternate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1951,15 +1965,8 @@ def test_slow_forwards_with_copies_teach_their_cost_also_where_inputs_alternate(
     alternate at every step (lengths that change from batch to batch), those are the input's own two latest steps,
     not two consecutive steps of the run (which never ran the same input, so the cost was never learnt). One slow step
     of an input between two others still teaches nothing."""
-    x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    _, model, engine = offloading_over_a_slow_link(act)
-    for key in ["a", "b"] * 4:
-        step_on(engine, model, x, key=key)
-    planner = engine.planner
-    assert planner is not None and planner.plan is not None and planner.profile is not None
-    first = planner.plan
-    assert first.offload_bytes > 0 and not planner.trying and planner.profile.copy_ms_per_gib == 0.0
+    x, _, model, engine, planner, _ = planned_on_alternating_inputs()
+    assert planner.profile is not None and planner.profile.copy_ms_per_gib == 0.0
     module = sys.modules[__name__]
     monkeypatch.setattr(module, "BLOCK_MS", 2 * BLOCK_MS)  # one slow step of "a": a hiccup, not a lesson
     step_on(engine, model, x, key="a")
@@ -1978,15 +1985,8 @@ def test_waits_for_copies_longer_than_predicted_shift_the_plan_also_where_inputs
     """A planned step's waits are read a step or so after it ran: with inputs that alternate at every step, another
     input runs by then. The waits still teach the link's share (a property of the machine) and both inputs plan with
     it: less offloading, the same gradients."""
-    x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    sim, model, engine = offloading_over_a_slow_link(act)
-    for key in ["a", "b"] * 4:
-        step_on(engine, model, x, key=key)
-    planner = engine.planner
-    assert planner is not None and planner.plan is not None and planner.profile is not None
-    first = planner.plan
-    assert first.offload_bytes > 0 and first.checkpoint_blocks == 0 and not planner.trying
+    x, sim, model, engine, planner, first = planned_on_alternating_inputs()
+    assert first.checkpoint_blocks == 0
     sim.bytes_per_ms = float(32 * KiB)  # 16x slower from now on
     steps = [step_on(engine, model, x, key=key) for key in ["a", "b"] * 4]
     for key in ["a", "b"]:
@@ -2058,9 +2058,7 @@ def train_lengths(
         loss.backward()
         if engine is not None:
             out["offloaded"].append(engine.stats.offloaded_bytes)
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        sgd_update_recorded(model, optimizer, out)
     return out
 
 

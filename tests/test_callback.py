@@ -1356,6 +1356,20 @@ class SimulatedLit(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def planner_for_counters(memory: Any) -> Callable[..., Any]:
+    """The engine's ``planner_for`` made to plan from ``memory``, a test's counters, with ``on_plan`` set (so the
+    callback leaves the planner resetting the peak every step)."""
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+        planner = planner_for(options, device, transfer, model, memory)
+        if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
+            planner.on_plan = lambda text: None
+        return planner
+
+    return with_memory
+
+
 def fit_planned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, validate: bool, validation_peak: int = 0, trials: bool = True
 ) -> BudgetPlanner:
@@ -1368,13 +1382,7 @@ def fit_planned(
     act, net, memory = budget_tests.weights_on_the_device(x)
     assert net.sim is not None
     sim = net.sim
-    planner_for = engine_module.planner_for
-
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
-        planner = planner_for(options, device, transfer, model, memory)
-        if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
-            planner.on_plan = lambda text: None  # set: the callback leaves the planner resetting the peak every step
-        return planner
+    with_memory = planner_for_counters(memory)
 
     callback = offload_callback(
         memory_budget=6 * act, plan_trials=trials, max_inflight_bytes=64 * 1024, prefetch_bytes=64 * 1024
@@ -1566,13 +1574,7 @@ def test_lengths_that_change_and_come_back_train_as_without_the_callback_under_p
     net = LengthLM(sim, dropout=0.1)
     memory = budget_tests.LengthMemory(base=4 * act, transient=act // 2)
     memory.unhooked_model = net
-    planner_for = engine_module.planner_for
-
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
-        planner = planner_for(options, device, transfer, model, memory)
-        if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
-            planner.on_plan = lambda text: None  # set: the callback leaves the planner resetting the peak every step
-        return planner
+    with_memory = planner_for_counters(memory)
 
     callback = offload_callback(
         memory_budget=int(4.8 * act), plan_trials=False, max_inflight_bytes=64 << 10, prefetch_bytes=64 << 10

@@ -35,6 +35,7 @@ from tests.models import (
     length_tokens,
     make_engine,
     probe,
+    sgd_update_recorded,
     tanh_chain,
     top_hooks,
     train_step,
@@ -1168,9 +1169,7 @@ def train_lengths(model: nn.Module, engine: OffloadEngine | None, pool: HostPool
         loss.backward()
         if engine is not None:
             out["allocations"].append(engine.stats.host_allocations)
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        sgd_update_recorded(model, optimizer, out)
     return out
 
 
