@@ -51,7 +51,7 @@ class InboundQueue:
         self.grad_reserve: int | None = None
         self.freed_bytes = 0
         # Used by a node that may still run: the view's position, its bytes, and the node (``_running_node``).
-        self._freeing: list[tuple[int, int, int | None]] = []
+        self._freeing: list[tuple[int, int, tuple[int, int] | None]] = []
         self.hold_above: int | None = None
 
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
@@ -215,7 +215,15 @@ def _waiting(ref: weakref.ref[StorageCopy]) -> bool:
 _current_node = getattr(torch._C, "_current_autograd_node", None)
 
 
-def _running_node() -> int | None:
-    """The autograd node running now, as a key (``None``: outside backward, or a torch that cannot say)."""
+def _running_node() -> tuple[int, int] | None:
+    """The autograd node running now, as a key (``None``: outside backward, or a torch that cannot say).
+
+    The ``id`` of the Python object that shows a node is not enough: blocks checkpointed with ``use_reentrant=True``
+    make their nodes during backward and free them after it, and the next block's nodes take the freed addresses
+    (freed room was then credited, or not, at random). torch's sequence number tells apart the nodes a thread made;
+    the address, those of two threads (backward on a device thread recomputes there)."""
     node = _current_node() if _current_node is not None else None
-    return id(node) if node is not None else None
+    if node is None:
+        return None
+    number = getattr(node, "_sequence_nr", None)
+    return (number() if number is not None else -1, id(node))
