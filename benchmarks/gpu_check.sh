@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU test, then the dynamic-lengths arms, in one call on one CUDA machine (about 8 minutes on an H200).
+#
+#   OUT=/some/folder bash benchmarks/gpu_check.sh
+#
+# (PYTHON names the interpreter, ``python`` by default.)
+# Writes under $OUT: gpu-tests.log, gpu-unmarked-tests.log, dyn-auto-<arm>.{json,log}, dyn-cap-<arm>.{json,log} and
+# summary.txt (one line per part: its exit status and seconds). Each part has its own time limit, so one that hangs
+# leaves the others their time; the exit status is non-zero where any part failed.
+#
+# What runs:
+#   - the tests marked `gpu` (streams, events, pinned memory, the callback on CUDA, the memory picture, tracing);
+#   - the test files that use CUDA where it exists without being marked (checkpointing, recompute, planned blocks,
+#     device memory);
+#   - dynamic lengths under the default budget, where the model fits (`none` against `input_changed`: the callback's
+#     cost there should stay within 1.05x);
+#   - dynamic lengths under a hard 6 GiB cap, five bucketed lengths (`input_changed` against `fixed`).
+set -u
+: "${OUT:?set OUT to the folder the results go to}"
+export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python}
+status=0
+summary="${OUT}/summary.txt"
+: >"${summary}"
+
+part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S seconds, its output to $OUT/NAME.log
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "${limit}" "$@" >"${OUT}/${name}.log" 2>&1
+    rc=$?
+    printf '%-28s rc=%-3s %4ss\n' "${name}" "${rc}" "$(($(date +%s) - start))" | tee -a "${summary}"
+    tail -n 3 "${OUT}/${name}.log"
+    [ "${rc}" -eq 0 ] || status=1
+}
+
+part gpu-tests 240 "${python}" -m pytest -q -m gpu -p no:cacheprovider tests
+part gpu-unmarked-tests 60 "${python}" -m pytest -q -p no:cacheprovider tests/test_checkpointing.py \
+    tests/test_recompute_policy.py tests/test_planned_blocks.py tests/test_device_memory.py
+for arm in none input_changed; do
+    BUDGET=auto part "dyn-auto-${arm}" 60 "${python}" -m benchmarks.dynamic_lengths "${OUT}/dyn-auto-${arm}.json" "${arm}" \
+        64 8192 16384 512
+done
+for arm in fixed input_changed; do
+    CAP=1 part "dyn-cap-${arm}" 90 "${python}" -m benchmarks.dynamic_lengths "${OUT}/dyn-cap-${arm}.json" "${arm}" \
+        128 8192 16384 2048
+done
+cat "${summary}"
+exit "${status}"
