@@ -20,6 +20,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -97,7 +98,12 @@ class KeptBytes(TorchDispatchMode):
         super().__init__()
         self.nbytes = 0
         self.mutated = False
-        self._storages: set[int] = set()  # where kept outputs live (no reference kept: they are not held longer)
+        # The storages kept outputs live in, by the identity of the storage object (``_cdata``), held by weak reference:
+        # the bytes are not held longer, and the weak reference keeps the identity from being reused. (Keyed by the
+        # data's address, a kept output freed within the block, say after a residual addition, left its address
+        # behind, and a tensor given that memory later and written in place noted the block as mutating a kept
+        # output: no light blocks planned, at random, as the allocator reused memory or not.)
+        self._storages: dict[int, StorageWeakRef] = {}
 
     def reset(self) -> None:
         self.nbytes, self.mutated = 0, False
@@ -111,7 +117,9 @@ class KeptBytes(TorchDispatchMode):
         if keep_products(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
             outputs = [t for t in (out if isinstance(out, tuple | list) else (out,)) if isinstance(t, torch.Tensor)]
             self.nbytes += sum(t.numel() * t.element_size() for t in outputs)
-            self._storages.update(_storage(t) for t in outputs)
+            for t in outputs:
+                storage = t.untyped_storage()
+                self._storages[storage._cdata] = StorageWeakRef(storage)
         return out
 
 
@@ -128,4 +136,4 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    return tensor.untyped_storage()._cdata

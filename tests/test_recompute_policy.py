@@ -176,6 +176,26 @@ def test_a_block_that_writes_into_a_kept_output_is_noted_and_elementwise_recompu
         block(x).sum().backward()
 
 
+def test_kept_bytes_notes_no_mutation_when_a_later_tensor_takes_the_memory_of_a_freed_kept_output() -> None:
+    """A kept output that an operation saving nothing consumes (a residual addition) is freed within the block, and
+    the allocator may hand its memory to a tensor made later (CUDA's caching allocator does so at once; glibc often
+    does too). Writing into that tensor in place changes no kept output, and elementwise recompute (which holds the
+    kept outputs) runs such a block: the block must not be noted as mutating one. A buffer wrapped twice stands in for
+    the allocator, so the address is reused for certain."""
+    memory = bytearray(ROWS * WIDTH * 4)
+    a, w = torch.randn(ROWS, WIDTH), torch.randn(WIDTH, WIDTH)
+    with KeptBytes() as kept:
+        product = torch.mm(a, w, out=torch.frombuffer(memory, dtype=torch.float32).view(ROWS, WIDTH))
+        address = product.untyped_storage().data_ptr()
+        total = a + product
+        del product  # the kept output's storage is freed
+        later = torch.frombuffer(memory, dtype=torch.float32).view(ROWS, WIDTH)  # a new storage at the same address
+        assert later.untyped_storage().data_ptr() == address
+        later.copy_(total).relu_()
+    assert kept.nbytes == ROWS * WIDTH * 4
+    assert not kept.mutated
+
+
 def test_dropout_in_a_block_with_elementwise_recompute_is_replayed_exactly() -> None:
     """Dropout is elementwise: recomputed in backward with forward's random state, the mask is the same."""
 
