@@ -104,7 +104,10 @@ class HostPool:
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self._free: dict[int, list[_Free]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a copy freed by the garbage collector (its graph caught in a reference cycle) gives its buffer
+        # back from its finalizer, which runs at any allocation of the thread, also one made here with the lock held
+        # (a list, psutil's readings); a plain lock then waited forever for itself.
+        self._lock = threading.RLock()
         self._registered: list[torch.Tensor] = []
         self.reserved_bytes = 0  # every buffer the pool owns
         self.in_use_bytes = 0  # buffers handed out and not yet given back

@@ -321,3 +321,57 @@ def test_past_half_its_limit_the_pool_lends_nothing() -> None:
     held = [pool.acquire(144 * KiB, limit)[0] for _ in range(7)]
     assert {buffer.numel() for buffer in held} == {size_class(144 * KiB)}
     assert pool.lent_bytes == 0
+
+
+def test_a_copy_freed_by_the_garbage_collector_while_the_pool_is_busy_gives_its_buffer_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph caught in a reference cycle (a user's object holding an output whose graph refers back to it) is freed
+    only by the garbage collector, which runs at whatever allocation comes next: also one the pool makes while it holds
+    its lock. The copy's finalizer then gives its buffer back to the same pool, from the same thread, and must not
+    wait forever for the lock that thread holds. The collector is made to run at the pool's bookkeeping allocation in
+    :meth:`HostPool.release`, so the finalizer runs there for certain."""
+    import gc
+    import threading
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from lightning_offload import host_pool
+    from lightning_offload.copies import StorageCopy
+    from lightning_offload.host_pool import PoolAccount
+
+    pool = HostPool(pinned=False)
+    account = PoolAccount(pool)
+    collected: list[int] = []
+
+    class CollectingFree(host_pool._Free):
+        def __init__(self, buffer: torch.Tensor, ready: object) -> None:
+            super().__init__(buffer, ready)  # type: ignore[arg-type]
+            if (
+                not collected
+            ):  # the collector runs at this allocation, the pool's lock held (once: not in the finalizer)
+                collected.append(0)
+                collected[0] = gc.collect()
+
+    enabled = gc.isenabled()
+    gc.disable()  # no collection before the one forced in the pool
+    try:
+        saved = torch.zeros(16)
+        copy = StorageCopy(saved, StorageWeakRef(saved.untyped_storage()), 0, 64, None)
+        copy.host, copy.pool = account.acquire(64 * KiB, BIG)[0], account
+        cycle: list[object] = [copy]
+        cycle.append(cycle)  # only the garbage collector frees the copy now
+        del copy, cycle
+        other, _ = pool.acquire(64 * KiB, BIG)
+        monkeypatch.setattr(host_pool, "_Free", CollectingFree)
+        worker = threading.Thread(target=pool.release, args=(other, None), daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+    finally:
+        if enabled:
+            gc.enable()
+    assert not worker.is_alive(), "the finalizer waited for the lock its own thread held"
+    assert collected[0] > 0  # the copy's cycle was found there
+    assert pool.in_use_bytes == 0 and account.in_use_bytes == 0
+    pool.acquire(64 * KiB, BIG)
+    assert pool.allocations == 2  # both buffers came back idle: this one is reused
