@@ -2081,7 +2081,7 @@ def test_an_input_is_no_larger_than_another_only_where_every_dimension_of_every_
 def test_a_new_input_no_larger_than_one_whose_plan_keeps_everything_runs_that_plan_without_measuring() -> None:
     """A model that fits keeps every activation: a new input whose every dimension is at most that of an input whose
     plan keeps everything needs no more memory, so it runs that plan at once (no hooks, nothing offloaded) instead of
-    a measuring step (on an H200, those cost up to 0.27 s more than a step without the engine at a length's first
+    a measuring step (on an H200, those cost 0.03-0.12 s more than a step without the engine at a length's first
     step). A longer input is measured; so is a shorter one where the only input above it offloads."""
     act = lm_activation_bytes(length_tokens(64))
     lengths = [48, 48, 32, 16, 64, 40, 48, 24]
