@@ -147,10 +147,17 @@ class _InputState:
 def _no_larger(key: Any, other: Any) -> bool:
     """Whether input ``key`` is at most ``other`` in every dimension: both shapes (tuples of ints, nested alike, such
     as the shapes of a batch's tensors) and no int of ``key`` above its peer in ``other``."""
-    if isinstance(key, int) and isinstance(other, int):
+    # Only a tuple is read as shapes, as the engine's input_changed documents: an int key (a task's, a data loader's or
+    # a bucket's number) says nothing of the input's size, and read as one, input 0 ran input 1's plan unmeasured.
+    return isinstance(key, tuple) and isinstance(other, tuple) and _dims_no_larger(key, other)
+
+
+def _dims_no_larger(key: Any, other: Any) -> bool:
+    """:func:`_no_larger` of two shapes or two of their dimensions (a bool is no dimension: ``True`` is an int)."""
+    if type(key) is int and type(other) is int:
         return key <= other
     if isinstance(key, tuple) and isinstance(other, tuple) and len(key) == len(other):
-        return all(_no_larger(a, b) for a, b in zip(key, other, strict=True))
+        return all(_dims_no_larger(a, b) for a, b in zip(key, other, strict=True))
     return False
 
 

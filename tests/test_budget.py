@@ -2078,6 +2078,18 @@ def test_an_input_is_no_larger_than_another_only_where_every_dimension_of_every_
     assert not _no_larger("short", "long") and not _no_larger(None, (2, 48)) and not _no_larger(1.0, 2.0)
 
 
+def test_an_input_named_by_a_number_is_measured_and_never_runs_the_plan_of_a_higher_number() -> None:
+    """Only a tuple is read as shapes (the engine's ``input_changed`` says so): inputs named by an int (a task's or a
+    data loader's number) or a bool are not sizes, so a new one is measured even where a higher-numbered input's plan
+    keeps everything."""
+    assert not _no_larger(0, 1) and not _no_larger(False, True) and not _no_larger((False, 8), (True, 8))
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    steps = [step_on(engine, model, x, key=key) for key in [1, 1, 1, 0]]
+    assert steps[2]["eligible"] is not None  # input 1 runs its plan (it keeps everything: 0 took it up, unfixed)
+    assert [s["measuring"] for s in steps] == [True, True, False, True]
+
+
 def test_a_new_input_no_larger_than_one_whose_plan_keeps_everything_runs_that_plan_without_measuring() -> None:
     """A model that fits keeps every activation: a new input whose every dimension is at most that of an input whose
     plan keeps everything needs no more memory, so it runs that plan at once (no hooks, nothing offloaded) instead of
