@@ -327,7 +327,7 @@ ActivationOffloadCallback.__doc__ = _doc.replace(" " * 4 + "{metrics}\n", METRIC
 
 
 def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the tensors in a batch: any nesting of mappings, sequences and dataclasses.
+    """The shapes of the tensors in a batch: any nesting of mappings (their values by name), sequences and dataclasses.
 
     Walked by hand rather than with ``torch.utils._pytree``, which sees a ``Mapping`` that is no ``dict`` (Hugging
     Face's ``BatchEncoding``, a ``UserDict``) or a dataclass as one opaque leaf: a new sequence length inside it
@@ -339,8 +339,12 @@ def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
         if isinstance(value, torch.Tensor):
             shapes.append(tuple(value.shape))
         elif isinstance(value, Mapping):
-            for item in value.values():
-                walk(item)
+            # In the order of the names, not of insertion: the planner compares keys position by position (a new
+            # input no larger in every dimension than one whose plan keeps everything runs that plan unmeasured), and
+            # a collate that builds each batch's dict in its first sample's order (samples of two sources) would line
+            # up one batch's long tensor with another's short one.
+            for name in sorted(value, key=str):
+                walk(value[name])
         elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             for item in value:
                 walk(item)

@@ -27,9 +27,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
+import lightning_offload.callback as callback_module
 import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
-from lightning_offload.budget import BudgetPlanner
+from lightning_offload.budget import BudgetPlanner, _no_larger
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
@@ -1242,6 +1243,19 @@ def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
     fit(tmp_path, CollectionLit(offload=callback), data, [callback], max_steps=5)
     rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
+
+
+def test_a_batch_whose_named_tensors_grew_is_never_no_larger_for_listing_them_in_another_order() -> None:
+    """A batch's mapping is read by name: the same tensors listed in another order (a collate that builds each dict in
+    its first sample's order, samples of two sources) name the same input, and one whose long tensor grew is not
+    taken for no larger than a batch that listed it second (it would run that batch's plan unmeasured)."""
+    short, long = torch.zeros(2, 8), torch.zeros(2, 64)
+    assert callback_module._shapes({"ids": short, "labels": long}) == callback_module._shapes(
+        {"labels": long, "ids": short}
+    )
+    first = callback_module._shapes({"prompt": short, "response": long})
+    grown = callback_module._shapes({"response": short, "prompt": torch.zeros(2, 60)})  # the prompt: 8 -> 60
+    assert not _no_larger(grown, first)
 
 
 def test_input_lengths_that_come_back_run_their_own_plans_without_measuring_again(
