@@ -1,9 +1,10 @@
 """The memory budget: measure a step, then run every step on the cheapest plan that keeps its peak under budget.
 
-The first two steps (and the first of each new input, :meth:`BudgetPlanner.input_changed`, or after
-:meth:`BudgetPlanner.replan`) are measuring steps: each counts what forward saves block by block and times forward's and
-backward's compute (waits for copies excluded). Under a budget the user gave, they offload everything from the first
-saved tensor and checkpoint every repeated block, but the first of them runs the second block in full (what a block
+The first two steps (and the first of each new input, :meth:`BudgetPlanner.input_changed`, unless it is no larger than
+one whose plan keeps everything, or after :meth:`BudgetPlanner.replan`) are measuring steps: each counts what forward
+saves block by block and times forward's and backward's compute (waits for copies excluded). Under a budget the user
+gave, they offload everything from the first saved tensor and checkpoint every repeated block, but the first of them
+runs the second block in full (what a block
 saves, and what each of its parts saves): the most frugal steps there are, and their peaks are the step's own (weights,
 optimizer state, the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. The
 first checkpoints the other blocks by their parts (:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time

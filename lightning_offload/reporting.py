@@ -36,13 +36,15 @@ METRIC_DOCS = """\
         achieved bandwidth; NaN for a batch that timed no copy that way.
         ``offload/memory_budget_gib``: (with a memory budget) the budget, in GiB.
         ``offload/plan_offload_gib``: the bytes of each forward the batch's plan offloads, in GiB; NaN for a batch
-        that measures instead (the first two, and the first one or two of each new input shape).
+        that measures instead (the first two, and the first one or two of each new input shape, unless no dimension of
+        it is larger than an input whose plan keeps everything: it runs that plan).
         ``offload/plan_checkpoint_blocks``: how many blocks the batch's plan checkpoints (NaN: it measured).
         ``offload/plan_split``: 1 where the plan checkpoints those blocks by their parts, 0 where whole (NaN: it
         measured).
         ``offload/plan_light_blocks``: how many blocks the batch's plan runs with elementwise recompute (matrix
         products and attention kept; NaN: it measured).
-        ``offload/plan_peak_gib``: the peak the batch's plan predicts, in GiB (NaN: it measured).
+        ``offload/plan_peak_gib``: the peak the batch's plan predicts, in GiB (NaN: it measured). A batch that runs
+        the plan of a larger input (one that keeps everything) logs that input's prediction: a bound, not its own.
         ``offload/plan_trial``: 1 for a batch whose plan was being timed against others (``plan_trials``), else 0
         (NaN: it measured).
 
