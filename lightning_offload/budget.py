@@ -147,23 +147,29 @@ class _InputState:
 
 def _no_larger(key: Any, other: Any) -> bool:
     """Whether input ``key`` is at most ``other`` in every dimension: both shapes (tuples of ints, nested alike, such
-    as the shapes of a batch's tensors) and no int of ``key`` above its peer in ``other``."""
+    as the shapes of a batch's tensors, which may hold their names), no int of ``key`` above its peer in ``other`` and
+    the same names."""
     # Only a tuple is read as shapes, as the engine's input_changed documents: an int key (a task's, a data loader's or
     # a bucket's number) says nothing of the input's size, and read as one, input 0 ran input 1's plan unmeasured.
     return isinstance(key, tuple) and isinstance(other, tuple) and _dims_no_larger(key, other)
 
 
 def _dims_no_larger(key: Any, other: Any) -> bool:
-    """:func:`_no_larger` of two shapes or two of their dimensions (a bool is no dimension: ``True`` is an int)."""
+    """:func:`_no_larger` of two shapes or two of their dimensions (a bool is no dimension: ``True`` is an int); a
+    string in a shape is a name (a tensor's, as the callback's keys hold them), which must be the same."""
     if type(key) is int and type(other) is int:
         return key <= other
+    if isinstance(key, str) and isinstance(other, str):
+        return key == other
     if isinstance(key, tuple) and isinstance(other, tuple) and len(key) == len(other):
         return all(_dims_no_larger(a, b) for a, b in zip(key, other, strict=True))
     return False
 
 
 def _size(key: Any) -> int:
-    """The elements of the tensors of shape(s) ``key`` (see :func:`_no_larger`)."""
+    """The elements of the tensors of shape(s) ``key`` (see :func:`_no_larger`; names count nothing)."""
+    if isinstance(key, str):
+        return 0
     if isinstance(key, int):
         return key
     if key and all(isinstance(d, int) for d in key):

@@ -326,31 +326,34 @@ _doc = _doc.replace(" " * 8 + "{picture}\n", PICTURE_OPTION_DOCS).replace(" " * 
 ActivationOffloadCallback.__doc__ = _doc.replace(" " * 4 + "{metrics}\n", METRIC_DOCS)
 
 
-def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the tensors in a batch: any nesting of mappings (their values by name), sequences and dataclasses.
+def _shapes(batch: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The names and shapes of the tensors in a batch: any nesting of mappings (their values by name), sequences and
+    dataclasses. A tensor's name is its path of mapping keys and dataclass fields (``"inputs.ids"``; ``""`` where it
+    has none): the planner runs a new input on the plan of one no larger in every dimension unmeasured, and tensors of
+    other names (``text`` and ``audio`` in a multi-modal run) take other paths through the model.
 
     Walked by hand rather than with ``torch.utils._pytree``, which sees a ``Mapping`` that is no ``dict`` (Hugging
     Face's ``BatchEncoding``, a ``UserDict``) or a dataclass as one opaque leaf: a new sequence length inside it
     would go unnoticed and the old shape's plan would run on it.
     """
-    shapes: list[tuple[int, ...]] = []
+    shapes: list[tuple[str, tuple[int, ...]]] = []
 
-    def walk(value: Any) -> None:
+    def walk(value: Any, path: str = "") -> None:
         if isinstance(value, torch.Tensor):
-            shapes.append(tuple(value.shape))
+            shapes.append((path, tuple(value.shape)))
         elif isinstance(value, Mapping):
             # In the order of the names, not of insertion: the planner compares keys position by position (a new
             # input no larger in every dimension than one whose plan keeps everything runs that plan unmeasured), and
             # a collate that builds each batch's dict in its first sample's order (samples of two sources) would line
             # up one batch's long tensor with another's short one.
             for name in sorted(value, key=str):
-                walk(value[name])
+                walk(value[name], f"{path}.{name}" if path else str(name))
         elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             for item in value:
-                walk(item)
+                walk(item, path)  # (positions are compared as they come)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             for field in dataclasses.fields(value):
-                walk(getattr(value, field.name))
+                walk(getattr(value, field.name), f"{path}.{field.name}" if path else field.name)
 
     walk(batch)
     return tuple(shapes)

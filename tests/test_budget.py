@@ -2076,6 +2076,8 @@ def test_an_input_is_no_larger_than_another_only_where_every_dimension_of_every_
     assert not _no_larger(((2, 32), (2, 64)), ((2, 48), (2, 48)))
     assert not _no_larger(((2, 32),), ((2, 48), (2, 48)))
     assert not _no_larger("short", "long") and not _no_larger(None, (2, 48)) and not _no_larger(1.0, 2.0)
+    assert _no_larger((("ids", (2, 32)),), (("ids", (2, 48)),))  # named shapes, as the callback's keys hold them
+    assert not _no_larger((("text", (2, 32)),), (("audio", (2, 48)),))
 
 
 def test_an_input_named_by_a_number_is_measured_and_never_runs_the_plan_of_a_higher_number() -> None:

@@ -1258,6 +1258,37 @@ def test_a_batch_whose_named_tensors_grew_is_never_no_larger_for_listing_them_in
     assert not _no_larger(grown, first)
 
 
+def test_batches_whose_tensors_have_other_names_are_never_no_larger_than_each_other() -> None:
+    """A batch is named by its tensors' names too: in a multi-task or multi-modal run, ``{"text": (8, 16)}`` and
+    ``{"audio": (8, 32)}`` take other paths through the model, so the smaller is not run on the larger's plan unmeasured
+    (by shapes alone, in the same positions, it would be). The same names compare by their shapes, nested names and
+    dataclass fields included."""
+    text, audio = {"text": torch.zeros(8, 16)}, {"audio": torch.zeros(8, 32)}
+    assert not _no_larger(callback_module._shapes(text), callback_module._shapes(audio))
+    assert _no_larger(callback_module._shapes({"text": torch.zeros(8, 8)}), callback_module._shapes(text))
+    nested_short = {"inputs": {"ids": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}
+    nested_long = {"inputs": {"ids": torch.zeros(2, 16)}, "labels": torch.zeros(2, 16)}
+    assert _no_larger(callback_module._shapes(nested_short), callback_module._shapes(nested_long))
+    assert not _no_larger(
+        callback_module._shapes({"inputs": {"mask": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}),
+        callback_module._shapes(nested_long),
+    )
+    assert _no_larger(
+        callback_module._shapes(MappingBatch(x=torch.zeros(2, 8))), callback_module._shapes({"x": torch.zeros(2, 16)})
+    )
+
+    @dataclasses.dataclass
+    class Pair:
+        text: torch.Tensor
+        audio: torch.Tensor
+
+    short, long = Pair(torch.zeros(2, 8), torch.zeros(2, 4)), Pair(torch.zeros(2, 16), torch.zeros(2, 4))
+    assert _no_larger(callback_module._shapes(short), callback_module._shapes(long))
+    assert not _no_larger(callback_module._shapes(long), callback_module._shapes(short))
+    assert callback_module._shapes(short) == (("text", (2, 8)), ("audio", (2, 4)))  # (fields in their order)
+    assert callback_module._shapes([{"ids": torch.zeros(3)}, torch.zeros(1)]) == (("ids", (3,)), ("", (1,)))
+
+
 def test_input_lengths_that_come_back_run_their_own_plans_without_measuring_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
