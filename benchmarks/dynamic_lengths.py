@@ -5,10 +5,10 @@ Arms: ``none`` (no engine: the pace to match where the model fits), ``input_chan
 plan), ``replan_every_change`` (the behaviour before it: ``replan()`` at every change of shape, so every step measures)
 and ``fixed`` (every step at the lengths' median: the pace a run of one length reaches). The small-vocab capacity model
 under a 6 GiB budget (``BUDGET=auto``: the default budget, under which the model fits); lengths drawn from
-``low``-``high`` in steps of ``step`` tokens. Per step: whether it measured, whether a plan was under trial, GiB
-offloaded, new host buffers pinned, the plan. With ``CAP=1`` the process is capped at the budget
-(``torch.cuda.set_per_process_memory_fraction``) and a step that runs out of memory is counted and skipped. Run one arm
-per process (the host pool is the process's)::
+``low``-``high`` in steps of ``step`` tokens. Per step: whether it measured, whether a plan was under trial, the host
+time to queue forward, GiB offloaded, new host buffers pinned, the plan. With ``CAP=1`` the process is capped at the
+budget (``torch.cuda.set_per_process_memory_fraction``) and a step that runs out of memory is counted and skipped. Run
+one arm per process (the host pool is the process's)::
 
     python -m benchmarks.dynamic_lengths out.json input_changed [steps low high step]
     CAP=1 python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
@@ -60,7 +60,7 @@ for arm in arms:
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     off = None if arm == "none" else offload_activations(model=model, memory_budget=budget, compute_device=device.type)
-    measured, times, previous, info, ooms, step_peaks = [], [], None, [], 0, []
+    measured, times, previous, info, ooms, step_peaks, forward_host = [], [], None, [], 0, [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for n in lengths:
@@ -74,12 +74,15 @@ for arm in arms:
         previous = n
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, queued = time.perf_counter(), float("nan")
         try:
             with off if off is not None else contextlib.nullcontext():
                 # (No planner on the CPU: the allocator's counters it plans from are CUDA's.)
                 measured.append(off is not None and off.planner is not None and off.planner.measuring)
                 loss = bench.loss(ids)
+            # Host time to queue forward (no sync): where it nears the step's time, the host held the device up
+            # (hooks, a synchronization inside forward).
+            queued = time.perf_counter() - start
             loss.backward()
             optimizer.step()
         except torch.OutOfMemoryError:
@@ -89,6 +92,7 @@ for arm in arms:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        forward_host.append(queued)
         # The step's own peaks: the planner resets the counters as each of its steps begins, so the process's
         # maximum read after the last step would be the last step's alone.
         step_peaks.append((torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if cuda else (0, 0))
@@ -120,6 +124,7 @@ for arm in arms:
         "measured": measured,
         "info": info,
         "step_s": times,
+        "forward_host_s": forward_host,
         "total_s": sum(times),
         "median_s_after_4": statistics.median(later),
         "tokens_per_s": sum(lengths) / sum(times),
@@ -140,9 +145,10 @@ for arm in arms:
 for arm in arms:
     print(arm)
     r = results[arm]
-    for n, m, t, i in zip(r["lengths"], r["measured"], r["step_s"], r["info"], strict=True):
+    for n, m, t, q, i in zip(r["lengths"], r["measured"], r["step_s"], r["forward_host_s"], r["info"], strict=True):
         flags = f"{'M' if m else ' '} {'T' if i['trying'] else ' '}"
         print(
-            f"  {n:6d} {flags} {t:6.2f} s off {i['offload_gib']:5.2f} new {i['new_host_buffers']:3d}"
+            f"  {n:6d} {flags} {t:6.2f} s (forward queued {q:5.3f}) off {i['offload_gib']:5.2f}"
+            f" new {i['new_host_buffers']:3d}"
             f" pinned {i['pinned_gib']:6.2f} plan {i['plan']}"
         )

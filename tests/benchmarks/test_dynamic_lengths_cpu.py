@@ -30,6 +30,7 @@ def test_every_arm_runs_its_lengths_and_reports_each_steps_figures(tmp_path: Pat
         r = results[arm]
         assert r["lengths"] == (drawn if arm != "fixed" else [sorted(drawn)[2]] * 6)
         assert len(r["step_s"]) == len(r["info"]) == len(r["step_peaks_gib"]) == len(r["measured"]) == 6
+        assert all(0 < q < t for q, t in zip(r["forward_host_s"], r["step_s"], strict=True))
         assert r["out_of_memory_steps"] == 0 and not any(r["measured"])  # no planner on the CPU
         assert all(t > 0 for t in r["step_s"])
     assert "input_changed" in done.stdout
