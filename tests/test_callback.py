@@ -1304,6 +1304,23 @@ def test_input_lengths_that_come_back_run_their_own_plans_without_measuring_agai
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, False, True, True, True, True]
 
 
+def test_a_smaller_batch_after_one_that_kept_everything_runs_its_plan_without_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a budget the model fits, the plan keeps everything: a later batch no larger in any dimension (a shorter
+    padded length, a last smaller batch) runs that plan at once and logs it, instead of a measuring step (NaN plan
+    figures); a larger one measures."""
+    plan_on_cpu(monkeypatch)
+    callback = offload_callback(memory_budget="8GiB")
+    small, large = batches(1), batches(1, shape=(2 * BATCH, WIDTH))
+    larger = batches(1, shape=(4 * BATCH, WIDTH))
+    data = [large[0], large[0], small[0], small[0], larger[0], large[0]]
+    fit(tmp_path, CollectionLit(offload=callback), [MappingBatch(x=x) for x in data], [callback], max_steps=6)
+    rows = [row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")]
+    assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, True, False, True]
+    assert all(row["offload/plan_offload_gib"] in ("nan", "0.0") for row in rows)
+
+
 class PeakMemory(ConstantMemory):
     """Allocator counters whose peak a test raises: 1 GiB unless a batch says otherwise."""
 
