@@ -143,6 +143,7 @@ class _InputState:
     settling: bool  # its plan's next step is a newly kept plan's first (see BudgetPlanner._cache_worth_emptying)
     plan_steps: tuple[int, ...]  # its latest steps that ran its plan (see BudgetPlanner.forward_computed)
     slow_forward: tuple[int, float] | None  # its latest planned step whose forward computed slow
+    borrowed: bool  # its plan and profile are a larger input's (see BudgetPlanner._keeping_lender): never measured
 
 
 def _no_larger(key: Any, other: Any) -> bool:
@@ -283,6 +284,7 @@ class BudgetPlanner:
         self._input: Any = _NO_INPUT  # the input the current profile is of (see input_changed)
         self._remembered: OrderedDict[Hashable, _InputState] = OrderedDict()  # other inputs' plans, oldest first
         self._measured = 0  # measuring steps ended since the last replan or new input
+        self._borrowed = False  # the current input runs a larger input's plan, unmeasured (see _keeping_lender)
 
     @property
     def measuring(self) -> bool:
@@ -459,6 +461,7 @@ class BudgetPlanner:
                 self._settling,
                 self._plan_steps,
                 self._slow_forward,
+                self._borrowed,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
@@ -483,6 +486,7 @@ class BudgetPlanner:
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._plan_steps, self._slow_forward = kept.plan_steps, kept.slow_forward
+        self._borrowed = kept.borrowed
         # Its plan's first step checks the cache where it has not yet (with inputs that alternate, measuring ends as
         # another input's step begins). A cache found worth emptying is emptied before the next step all the same:
         # it is the process's, not the input's. (Both were dropped here: with lengths that change from batch to batch,
@@ -502,7 +506,8 @@ class BudgetPlanner:
         fits too, with nothing to measure. (Under the device's budget, where a model fits, a new length's measuring
         step cost 0.03-0.12 s more than a step without the engine on an H200: 17 new lengths in 48 steps ran 1.17x
         the time, with the cache emptied at each length's first planned step.) The prediction kept is the larger
-        input's: a step that peaks past it corrects the plan as any planned step does."""
+        input's: a step that peaks past it, or runs out of memory, says the shape misled, and the input is measured
+        when it next runs (from its first saved tensor after running out of memory)."""
         lenders = [
             (name, state)
             for name, state in self._remembered.items()
@@ -524,6 +529,7 @@ class BudgetPlanner:
             settling=False,
             plan_steps=(),
             slow_forward=None,
+            borrowed=True,
         )
 
     def _forget_input(self, measuring_steps: int) -> None:
@@ -533,6 +539,7 @@ class BudgetPlanner:
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
         self._plan_since = None
         self._plan_steps, self._slow_forward = (), None
+        self._borrowed = False
         self._measure_left = max(self._measure_left, measuring_steps)
         self._measured = 0
         self._trials.reset()
@@ -622,6 +629,15 @@ class BudgetPlanner:
             self.tripped = self.tripped or self._frugal or out_of_memory
             return
         plan, profile = self.plan, self.profile
+        if out_of_memory and self._borrowed:
+            # The lent profile is not this input's: measure it, from its first saved tensor (the most frugal step).
+            _log.info(
+                "memory_budget: a step of input %s ran out of memory under a larger input's plan; measuring it",
+                self._input,
+            )
+            self._forget_input(1)
+            self.tripped = True
+            return
         if out_of_memory and plan is not None and profile is not None:
             heavier = max(0, self.memory.peak() - plan.peak) + int(self.budget * _REPLAN_SHARE)
             self.profile = dataclasses.replace(profile, correction=profile.correction + heavier)
@@ -702,6 +718,16 @@ class BudgetPlanner:
             reserved_peak = self._counter("reserved_peak")
             if reserved_peak > max(self._reserved_at_start, self.budget):
                 heavier = max(heavier, reserved_peak - self.budget)
+            if heavier > 0 and self._borrowed:
+                # The step held more than the larger input whose plan it ran: its shape said it needs no more, and
+                # the lent profile is not this input's. It is measured next time it runs.
+                _log.info(
+                    "memory_budget: a step of input %s peaked %.2f GiB past a larger input's plan; measuring it",
+                    self._input,
+                    heavier / GiB,
+                )
+                self._forget_input(1)
+                return
             if heavier > 0:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)
                 self._choose(memory=True)

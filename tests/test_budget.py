@@ -2135,6 +2135,83 @@ def test_a_new_input_no_larger_than_one_whose_plan_keeps_everything_runs_that_pl
     engine.close()
 
 
+class HeavierAt48(LengthMemory):
+    """:class:`LengthMemory` whose steps of 48 tokens hold ``extra`` bytes more: a shape that says less memory than
+    the model's step takes at it."""
+
+    extra = 0
+
+    def _unhooked_bytes(self) -> int:
+        assert self.unhooked_input is not None
+        return super()._unhooked_bytes() + (self.extra if self.unhooked_input.shape[1] == 48 else 0)
+
+
+def borrowing_engine(act: int, extra: int = 0) -> tuple[LengthLM, LengthMemory, OffloadEngine, torch.optim.Optimizer]:
+    """An engine whose budget holds :class:`~tests.models.LengthLM` at 64 tokens whole, after two measuring steps of
+    that length (its plan keeps everything) and one step of 48 tokens that ran that plan unmeasured (holding ``extra``
+    bytes more than its shape says, which the planner reads as the next step begins)."""
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(16 * KiB))
+    model = LengthLM(sim)
+    memory = HeavierAt48(base=4 * act, transient=act // 2)
+    memory.extra = extra
+    memory.unhooked_model = model
+    engine = planned_engine(int(20 * act), memory, model, sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for length in [64, 64, 48]:
+        run_length(model, engine, memory, optimizer, length)
+    planner = engine.planner
+    assert planner is not None and not planner.measuring and planner.plan is not None
+    assert not planner.plan.offload_bytes and not planner.plan.checkpoint_blocks
+    return model, memory, engine, optimizer
+
+
+def run_length(
+    model: nn.Module, engine: OffloadEngine, memory: LengthMemory, optimizer: torch.optim.Optimizer, length: int
+) -> bool:
+    """One SGD step of ``model`` on ``length`` tokens, named to ``engine``; whether it was a measuring step."""
+    tokens = length_tokens(length)
+    optimizer.zero_grad(set_to_none=True)
+    engine.end_step()
+    memory.unhooked_input = tokens
+    engine.input_changed(tuple(tokens.shape))
+    with engine:
+        assert engine.planner is not None
+        measuring = engine.planner.measuring
+        loss = model(tokens)
+    loss.backward()
+    optimizer.step()
+    return measuring
+
+
+def test_an_input_that_ran_a_larger_inputs_plan_and_peaked_past_it_is_measured_for_its_own() -> None:
+    """A plan lent by a larger input that keeps everything predicts that input's peak. A step of the smaller input
+    that peaks past it (its memory is not what its shape said) says the lent profile is not this input's: the input
+    is measured next time it runs, not planned again from the larger input's numbers plus a correction."""
+    act = lm_activation_bytes(length_tokens(64))
+    model, memory, engine, optimizer = borrowing_engine(act, extra=2 * act)  # more than the larger length holds
+    assert not run_length(model, engine, memory, optimizer, 64)  # the lender keeps its plan
+    assert run_length(model, engine, memory, optimizer, 48)
+    engine.close()
+
+
+def test_an_input_that_ran_a_larger_inputs_plan_and_ran_out_of_memory_is_measured_frugally() -> None:
+    """A step of a lent plan that runs out of memory: the input's next step measures, offloading from its first saved
+    tensor (the most frugal step there is), rather than planning again from the larger input's numbers."""
+    act = lm_activation_bytes(length_tokens(64))
+    model, memory, engine, optimizer = borrowing_engine(act)
+    tokens = length_tokens(48)
+    engine.end_step()
+    engine.input_changed(tuple(tokens.shape))
+    with pytest.raises(torch.cuda.OutOfMemoryError), engine:
+        model(tokens)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    planner = engine.planner
+    assert planner is not None
+    assert run_length(model, engine, memory, optimizer, 48)
+    assert engine.stats.offloaded_bytes == engine.stats.eligible_bytes > 0
+    engine.close()
+
+
 @pytest.mark.parametrize(
     ("budget_share", "lag", "light", "trials"),
     [(4.0, 3, False, False), (4.8, 0, True, False), (4.8, None, True, False), (4.8, 3, True, True)],
