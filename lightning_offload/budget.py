@@ -144,6 +144,7 @@ class _InputState:
     plan_steps: tuple[int, ...]  # its latest steps that ran its plan (see BudgetPlanner.forward_computed)
     slow_forward: tuple[int, float] | None  # its latest planned step whose forward computed slow
     borrowed: bool  # its plan and profile are a larger input's (see BudgetPlanner._keeping_lender): never measured
+    misled: bool  # a larger input's plan misled it (peaked past, ran out of memory): it measures, never borrows
 
 
 def _no_larger(key: Any, other: Any) -> bool:
@@ -285,6 +286,7 @@ class BudgetPlanner:
         self._remembered: OrderedDict[Hashable, _InputState] = OrderedDict()  # other inputs' plans, oldest first
         self._measured = 0  # measuring steps ended since the last replan or new input
         self._borrowed = False  # the current input runs a larger input's plan, unmeasured (see _keeping_lender)
+        self._misled = False  # ... and that plan misled it: it measures, and never borrows again
 
     @property
     def measuring(self) -> bool:
@@ -446,7 +448,7 @@ class BudgetPlanner:
         # An input none of whose measuring steps ended is kept where the next must be frugal: its step ran out of
         # memory (or passed its watermark) keeping its activations, and another input's state taken up in between
         # (one that never tripped) would have its next measuring step keep them again, and fail the same way.
-        if previous is not _NO_INPUT and (self.profile is not None or self.tripped):
+        if previous is not _NO_INPUT and (self.profile is not None or self.tripped or self._misled):
             self._remembered[previous] = _InputState(
                 self.profile,
                 self.plan if self._measure_left <= 0 else None,
@@ -462,18 +464,21 @@ class BudgetPlanner:
                 self._plan_steps,
                 self._slow_forward,
                 self._borrowed,
+                self._misled,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
         kept = self._remembered.pop(key, None)
-        if kept is None or (kept.plan is None and not kept.tripped):  # (one whose step failed measures, frugally)
+        # (One whose step failed measures, frugally; one that a lent plan misled measures.)
+        if kept is None or (kept.plan is None and not kept.tripped and not kept.misled):
             kept = self._keeping_lender(key) or kept
         if kept is None or kept.profile is None:
             self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
             self._forget_input(1)
             if kept is not None:
                 self.tripped = kept.tripped  # its measuring steps failed: the next is frugal
+                self._misled = kept.misled  # (kept so while another input runs before it measures)
             return True
         # What planned steps of other inputs taught about the machine counts here too (as in a new measurement).
         self.profile = dataclasses.replace(
@@ -486,7 +491,7 @@ class BudgetPlanner:
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._plan_steps, self._slow_forward = kept.plan_steps, kept.slow_forward
-        self._borrowed = kept.borrowed
+        self._borrowed, self._misled = kept.borrowed, kept.misled
         # Its plan's first step checks the cache where it has not yet (with inputs that alternate, measuring ends as
         # another input's step begins). A cache found worth emptying is emptied before the next step all the same:
         # it is the process's, not the input's. (Both were dropped here: with lengths that change from batch to batch,
@@ -530,6 +535,7 @@ class BudgetPlanner:
             plan_steps=(),
             slow_forward=None,
             borrowed=True,
+            misled=False,
         )
 
     def _forget_input(self, measuring_steps: int) -> None:
@@ -539,7 +545,7 @@ class BudgetPlanner:
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
         self._plan_since = None
         self._plan_steps, self._slow_forward = (), None
-        self._borrowed = False
+        self._borrowed = self._misled = False
         self._measure_left = max(self._measure_left, measuring_steps)
         self._measured = 0
         self._trials.reset()
@@ -636,7 +642,7 @@ class BudgetPlanner:
                 self._input,
             )
             self._forget_input(1)
-            self.tripped = True
+            self.tripped = self._misled = True
             return
         if out_of_memory and plan is not None and profile is not None:
             heavier = max(0, self.memory.peak() - plan.peak) + int(self.budget * _REPLAN_SHARE)
@@ -727,6 +733,7 @@ class BudgetPlanner:
                     heavier / GiB,
                 )
                 self._forget_input(1)
+                self._misled = True
                 return
             if heavier > 0:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)

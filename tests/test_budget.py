@@ -2146,16 +2146,19 @@ class HeavierAt48(LengthMemory):
         return super()._unhooked_bytes() + (self.extra if self.unhooked_input.shape[1] == 48 else 0)
 
 
-def borrowing_engine(act: int, extra: int = 0) -> tuple[LengthLM, LengthMemory, OffloadEngine, torch.optim.Optimizer]:
+def borrowing_engine(
+    act: int, extra: int = 0, budget: int | str | None = None
+) -> tuple[LengthLM, LengthMemory, OffloadEngine, torch.optim.Optimizer]:
     """An engine whose budget holds :class:`~tests.models.LengthLM` at 64 tokens whole, after two measuring steps of
     that length (its plan keeps everything) and one step of 48 tokens that ran that plan unmeasured (holding ``extra``
-    bytes more than its shape says, which the planner reads as the next step begins)."""
+    bytes more than its shape says, which the planner reads as the next step begins); under ``budget``, 20 times
+    what the model saves at 64 tokens where not given."""
     sim = SimulatedStreams(lag=0, bytes_per_ms=float(16 * KiB))
     model = LengthLM(sim)
     memory = HeavierAt48(base=4 * act, transient=act // 2)
     memory.extra = extra
     memory.unhooked_model = model
-    engine = planned_engine(int(20 * act), memory, model, sim)
+    engine = planned_engine(int(20 * act) if budget is None else budget, memory, model, sim)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for length in [64, 64, 48]:
         run_length(model, engine, memory, optimizer, length)
@@ -2183,14 +2186,28 @@ def run_length(
     return measuring
 
 
-def test_an_input_that_ran_a_larger_inputs_plan_and_peaked_past_it_is_measured_for_its_own() -> None:
+@pytest.mark.parametrize("budget", ["auto", None], ids=["device-budget", "user-budget"])
+def test_an_input_that_ran_a_larger_inputs_plan_and_peaked_past_it_is_measured_for_its_own(budget: str | None) -> None:
     """A plan lent by a larger input that keeps everything predicts that input's peak. A step of the smaller input
     that peaks past it (its memory is not what its shape said) says the lent profile is not this input's: the input
-    is measured next time it runs, not planned again from the larger input's numbers plus a correction."""
+    is measured next time it runs (even where another input runs in between), not lent the plan again nor planned
+    from the larger input's numbers plus a correction; then it runs its own plan."""
     act = lm_activation_bytes(length_tokens(64))
-    model, memory, engine, optimizer = borrowing_engine(act, extra=2 * act)  # more than the larger length holds
+    # More than 64 tokens hold, by more than the misprediction a planned step is allowed (2% of the budget).
+    extra = 2 * act if budget is None else 3 * GiB
+    model, memory, engine, optimizer = borrowing_engine(act, extra=extra, budget=budget)
     assert not run_length(model, engine, memory, optimizer, 64)  # the lender keeps its plan
     assert run_length(model, engine, memory, optimizer, 48)
+    assert not run_length(model, engine, memory, optimizer, 64)
+    for _ in range(3):  # (a frugal measuring step that pinned host buffers measures once more)
+        if not run_length(model, engine, memory, optimizer, 48):
+            break
+        assert not run_length(model, engine, memory, optimizer, 64)
+    else:
+        pytest.fail("the input of 48 tokens never ran a plan of its own")
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None and planner.profile is not None
+    assert planner.profile.eligible < lm_activation_bytes(length_tokens(64))  # its own profile, not the lender's
     engine.close()
 
 
