@@ -258,9 +258,9 @@ class OffloadEngine:
         a memory budget a new input is measured before it is planned (its shapes save other bytes), and an input met
         before runs the plan it had then, without measuring again. Inputs whose length changes from batch to batch
         would otherwise measure at every step, each measuring step the most frugal there is. A key that is a tuple of
-        ints (or of such tuples) is read as shapes: a new input no larger in any dimension than one whose plan keeps
-        every activation on the device runs that plan at once, unmeasured (it saves no more); name inputs that are
-        not shapes by something else, a string say. Without a planner it does nothing.
+        ints (or of such tuples, which may hold names as strings) is read as shapes: a new input no larger in any
+        dimension than one whose plan keeps every activation on the device, with the same names, runs that plan at
+        once, unmeasured (it saves no more); name inputs that are not shapes by something else, a string say. Without a planner it does nothing.
 
         Raises:
             RuntimeError: called inside the engine's block.
