@@ -260,7 +260,8 @@ class OffloadEngine:
         would otherwise measure at every step, each measuring step the most frugal there is. A key that is a tuple of
         ints (or of such tuples, which may hold names as strings) is read as shapes: a new input no larger in any
         dimension than one whose plan keeps every activation on the device, with the same names, runs that plan at
-        once, unmeasured (it saves no more); name inputs that are not shapes by something else, a string say. Without a planner it does nothing.
+        once, unmeasured (it saves no more); name inputs that are not shapes by something else, a string say. Without
+        a planner it does nothing.
 
         Raises:
             RuntimeError: called inside the engine's block.
