@@ -157,15 +157,19 @@ def _no_larger(key: Any, other: Any) -> bool:
 
 
 def _dims_no_larger(key: Any, other: Any) -> bool:
-    """:func:`_no_larger` of two shapes or two of their dimensions (a bool is no dimension: ``True`` is an int); a
-    string in a shape is a name (a tensor's, as the callback's keys hold them), which must be the same."""
-    if type(key) is int and type(other) is int:
-        return key <= other
+    """:func:`_no_larger` of two shapes, or of two tuples of shapes or of named shapes (a bool is no dimension:
+    ``True`` is an int); a string beside them is a name (a tensor's, as the callback's keys hold them), which must be
+    the same."""
     if isinstance(key, str) and isinstance(other, str):
         return key == other
-    if isinstance(key, tuple) and isinstance(other, tuple) and len(key) == len(other):
-        return all(_dims_no_larger(a, b) for a, b in zip(key, other, strict=True))
-    return False
+    if not (isinstance(key, tuple) and isinstance(other, tuple) and len(key) == len(other)):
+        return False
+    # Ints are dimensions only in a tuple of ints (a shape): beside a string they number an input, and read as a
+    # dimension, input ("loader", 0) ran the plan of input ("loader", 1) unmeasured.
+    ints = [type(d) is int for d in key + other]
+    if any(ints):
+        return all(ints) and all(a <= b for a, b in zip(key, other, strict=True))
+    return all(_dims_no_larger(a, b) for a, b in zip(key, other, strict=True))
 
 
 def _size(key: Any) -> int:

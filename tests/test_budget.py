@@ -2092,6 +2092,21 @@ def test_an_input_named_by_a_number_is_measured_and_never_runs_the_plan_of_a_hig
     assert [s["measuring"] for s in steps] == [True, True, False, True]
 
 
+def test_an_input_named_by_a_string_and_a_number_is_measured_and_never_runs_the_plan_of_a_higher_number() -> None:
+    """A string in a key is a tensor's name only beside its shape, as the callback's keys hold them: a key such as
+    ``("loader", 0)`` (a data loader's number, named by a string as the engine's ``input_changed`` advises for inputs
+    that are not shapes) is no shape, so input ``("loader", 0)`` is measured even where ``("loader", 1)``'s plan keeps
+    everything. (Names compared anywhere read it as a shape of one name and one dimension.) A name beside a shape
+    still compares by that shape."""
+    assert not _no_larger(("loader", 0), ("loader", 1)) and not _no_larger((("loader", 0),), (("loader", 1),))
+    assert _no_larger(("qa", (2, 32)), ("qa", (2, 48))) and not _no_larger(("qa", (2, 64)), ("qa", (2, 48)))
+    _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
+    x = torch.randn(BATCH, WIDTH)
+    steps = [step_on(engine, model, x, key=key) for key in [("loader", 1)] * 3 + [("loader", 0)]]
+    assert steps[2]["eligible"] is not None  # input 1 runs its plan (it keeps everything: 0 took it up, unfixed)
+    assert [s["measuring"] for s in steps] == [True, True, False, True]
+
+
 def test_a_new_input_no_larger_than_one_whose_plan_keeps_everything_runs_that_plan_without_measuring() -> None:
     """A model that fits keeps every activation: a new input whose every dimension is at most that of an input whose
     plan keeps everything needs no more memory, so it runs that plan at once (no hooks, nothing offloaded) instead of
