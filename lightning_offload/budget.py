@@ -449,6 +449,9 @@ class BudgetPlanner:
         if previous is _NO_INPUT and self.step == 0:
             return True  # the first steps measure anyway
         self.abandon_step()  # (a step still open here ran the old input, and its caller did not close it)
+        # Taken out before the input left is kept: kept first, the list ran one over and forgot its least recently run
+        # input, which with inputs taken in turn is the one coming back (every input then measured at every return).
+        kept = self._remembered.pop(key, None)
         # An input none of whose measuring steps ended is kept where the next must be frugal: its step ran out of
         # memory (or passed its watermark) keeping its activations, and another input's state taken up in between
         # (one that never tripped) would have its next measuring step keep them again, and fail the same way.
@@ -473,7 +476,6 @@ class BudgetPlanner:
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
-        kept = self._remembered.pop(key, None)
         # (One whose step failed measures, frugally; one that a lent plan misled measures.)
         if kept is None or (kept.plan is None and not kept.tripped and not kept.misled):
             kept = self._keeping_lender(key) or kept

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadOptions, offload_activations, plan_trials
-from lightning_offload.budget import BudgetPlanner, _no_larger, default_budget
+from lightning_offload.budget import _REMEMBERED_INPUTS, BudgetPlanner, _no_larger, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import pool_for
@@ -1865,6 +1865,24 @@ def test_an_input_whose_measuring_step_ran_out_of_memory_measures_frugally_when_
 
     assert [step(x) for x in (short, short, short)] == [False, False, False]
     assert [step(x) for x in (long, short, long, long, short, long)] == [True, False, False, False, False, False]
+
+
+def test_an_input_that_comes_back_after_as_many_others_as_are_kept_runs_its_plan_without_measuring() -> None:
+    """The planner keeps the plans of up to ``_REMEMBERED_INPUTS`` inputs besides the one running: an input that comes
+    back after that many others ran (lengths bucketed into one more bucket than that, taken in turn) runs its own plan.
+    (The input left was kept before the one coming back was taken up: the list, one over, forgot the least recently
+    run, which was that input, and every input measured at every return.)"""
+    memory = PeakCounter()
+    planner = BudgetPlanner(60 * GiB, memory)
+    keys = [f"bucket {i}" for i in range(_REMEMBERED_INPUTS + 1)]
+    measuring = []
+    for key in keys[:1] + keys * 2:  # (the first input's two measuring steps, then one each)
+        planner.input_changed(key)
+        planner.begin_step(lambda: 0)
+        measuring.append(planner.measuring)
+        memory.value = 2 * GiB
+        planner.end_step(GiB, 0, 10.0, float(MiB), {})
+    assert measuring[-len(keys) :] == [False] * len(keys)
 
 
 def test_none_is_an_input_key_like_any_other() -> None:
