@@ -119,6 +119,9 @@ _CAPACITY_ROUNDING = 1 << 20
 # Inputs whose plans are kept while other inputs run (see BudgetPlanner.input_changed): lengths that change from batch
 # to batch (padded to each batch's longest, or bucketed) come back, and one met again runs its plan without measuring.
 _REMEMBERED_INPUTS = 32
+# Inputs that a larger input's lent plan misled (see BudgetPlanner._keeping_lender), remembered past the plans kept:
+# forgotten with its state, such an input borrowed again, and under a hard cap ran out of memory at every return.
+_MISLED_INPUTS = 4096
 # Steps of the current plan an input remembers, to tell whether two slow forwards were two of its steps in a row.
 _PLAN_STEPS_KEPT = 4
 _NO_INPUT: Any = object()  # no input named yet
@@ -291,6 +294,7 @@ class BudgetPlanner:
         self._measured = 0  # measuring steps ended since the last replan or new input
         self._borrowed = False  # the current input runs a larger input's plan, unmeasured (see _keeping_lender)
         self._misled = False  # ... and that plan misled it: it measures, and never borrows again
+        self._misled_inputs: OrderedDict[Hashable, None] = OrderedDict()  # every input so misled (_MISLED_INPUTS)
 
     @property
     def measuring(self) -> bool:
@@ -416,6 +420,7 @@ class BudgetPlanner:
         # A step still open (it ends at the next step's start) belongs to the old input: it must not count for the new.
         self.abandon_step()
         self._remembered.clear()
+        self._misled_inputs.clear()
         self._forget_input(measuring_steps)
 
     @property
@@ -477,7 +482,8 @@ class BudgetPlanner:
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
         # (One whose step failed measures, frugally; one that a lent plan misled measures.)
-        if kept is None or (kept.plan is None and not kept.tripped and not kept.misled):
+        borrows = key not in self._misled_inputs
+        if borrows and (kept is None or (kept.plan is None and not kept.tripped and not kept.misled)):
             kept = self._keeping_lender(key) or kept
         if kept is None or kept.profile is None:
             self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
@@ -543,6 +549,14 @@ class BudgetPlanner:
             borrowed=True,
             misled=False,
         )
+
+    def _note_misled(self) -> None:
+        """The current input's lent plan misled it: it measures, and is never lent a plan again."""
+        self._misled = True
+        self._misled_inputs[self._input] = None
+        self._misled_inputs.move_to_end(self._input)
+        while len(self._misled_inputs) > _MISLED_INPUTS:
+            self._misled_inputs.popitem(last=False)
 
     def _forget_input(self, measuring_steps: int) -> None:
         """Drop the current input's profile and plan: the next ``measuring_steps`` steps measure."""
@@ -648,7 +662,8 @@ class BudgetPlanner:
                 self._input,
             )
             self._forget_input(1)
-            self.tripped = self._misled = True
+            self.tripped = True
+            self._note_misled()
             return
         if out_of_memory and plan is not None and profile is not None:
             heavier = max(0, self.memory.peak() - plan.peak) + int(self.budget * _REPLAN_SHARE)
@@ -739,7 +754,7 @@ class BudgetPlanner:
                     heavier / GiB,
                 )
                 self._forget_input(1)
-                self._misled = True
+                self._note_misled()
                 return
             if heavier > 0:
                 self.profile = p = dataclasses.replace(p, correction=p.correction + heavier)

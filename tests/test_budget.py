@@ -2244,6 +2244,18 @@ def test_an_input_that_ran_a_larger_inputs_plan_and_peaked_past_it_is_measured_f
     engine.close()
 
 
+def test_an_input_a_lent_plan_misled_never_borrows_again_even_after_more_inputs_than_are_kept_ran() -> None:
+    """An input whose step under a larger input's plan peaked past it is measured, and is never lent a plan again: also
+    where more inputs than the planner keeps ran before it came back (its state forgotten, it would have borrowed again
+    and, under a hard cap, run out of memory at every such return)."""
+    act = lm_activation_bytes(length_tokens(64))
+    model, memory, engine, optimizer = borrowing_engine(act, extra=3 * GiB, budget="auto")
+    for length in range(65, 66 + _REMEMBERED_INPUTS):  # each measured, each a lender that keeps everything
+        run_length(model, engine, memory, optimizer, length)
+    assert run_length(model, engine, memory, optimizer, 48)
+    engine.close()
+
+
 def test_an_input_that_ran_a_larger_inputs_plan_and_ran_out_of_memory_is_measured_frugally() -> None:
     """A step of a lent plan that runs out of memory: the input's next step measures, offloading from its first saved
     tensor (the most frugal step there is), rather than planning again from the larger input's numbers."""
