@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -26,6 +28,7 @@ from lightning_offload.streams import SimulatedStreams
 from tests.models import LengthLM, Mix, assert_same_grads, length_tokens, sgd_update_recorded
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 WIDTH, BATCH, BLOCKS = 256, 64, 8
 EVERY_BLOCK = [f"blocks.{i}" for i in range(BLOCKS)]
 BLOCK_MS = 2.0
@@ -2217,6 +2220,26 @@ def run_length(
     loss.backward()
     optimizer.step()
     return measuring
+
+
+def test_the_lengths_of_an_h200_run_measure_only_the_first_steps_and_the_longest_under_the_device_budget() -> None:
+    """The 48 lengths (8-16k tokens, 17 of them new as they came) of the dynamic-lengths benchmark's run on an H200
+    under the default budget, replayed through the planner at 1/256 of their length: where the model fits, only the
+    first two steps and the longest length measure (that run measured at 17 steps and ran 1.17x no engine)."""
+    run = RESULTS / "2026-12-02" / "h200-v107-dyn-auto-512-input_changed.json"
+    recorded = json.loads(run.read_text())
+    assert recorded["input_changed"]["measuring_steps"] == 17
+    lengths = [n // 256 for n in recorded["lengths"]]
+    act = lm_activation_bytes(length_tokens(max(lengths)))
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(16 * KiB))
+    model = LengthLM(sim)
+    memory = LengthMemory(base=4 * act, transient=act // 2)
+    memory.unhooked_model = model
+    engine = planned_engine("auto", memory, model, sim)
+    got = train_lengths(model, engine, memory, lengths)
+    measured = [step for step, plan in enumerate(got["plans"]) if plan is None]
+    assert measured == [0, 1, lengths.index(max(lengths))]
+    engine.close()
 
 
 @pytest.mark.parametrize("budget", ["auto", None], ids=["device-budget", "user-budget"])
