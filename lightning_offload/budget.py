@@ -4,16 +4,16 @@ The first two steps (and the first of each new input, :meth:`BudgetPlanner.input
 one whose plan keeps everything, or after :meth:`BudgetPlanner.replan`) are measuring steps: each counts what forward
 saves block by block and times forward's and backward's compute (waits for copies excluded). Under a budget the user
 gave, they offload everything from the first saved tensor and checkpoint every repeated block, but the first of them
-runs the second block in full (what a block
-saves, and what each of its parts saves): the most frugal steps there are, and their peaks are the step's own (weights,
-optimizer state, the loss's transient); the profile is extrapolated to no checkpointing from the block run in full. The
-first checkpoints the other blocks by their parts (:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time
-in backward, not a whole block); the second checkpoints them whole, where the first step's numbers say a block rebuilt
-whole fits, else by parts again. Under the device's own budget they keep everything unless memory passes a watermark, so
-a model that fits is measured at no cost. Two, because the optimizer allocates its state in the first step. From that
-profile :func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are
-checkpointed; the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a
-model that fits pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
+runs the second block in full (what a block saves, and what each of its parts saves): the most frugal steps there are,
+and their peaks are the step's own (weights, optimizer state, the loss's transient); the profile is extrapolated to no
+checkpointing from the block run in full. The first checkpoints the other blocks by their parts
+(:mod:`~lightning_offload.planned_blocks`: one part rebuilt at a time in backward, not a whole block); the second
+checkpoints them whole, where the first step's numbers say a block rebuilt whole fits, else by parts again. Under the
+device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no cost.
+Two, because the optimizer allocates its state in the first step. From that profile
+:func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
+the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
+pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
 (:func:`~lightning_offload.schedule.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
 each run a few steps (:mod:`~lightning_offload.plan_trials`), timed on the device from step start to step start, and the
 fastest is kept: the model prices recompute and the link, not the host's hooks, copies slowing compute or the allocator
@@ -147,7 +147,6 @@ class _InputState:
     plan_steps: tuple[int, ...]  # its latest steps that ran its plan (see BudgetPlanner.forward_computed)
     slow_forward: tuple[int, float] | None  # its latest planned step whose forward computed slow
     borrowed: bool  # its plan and profile are a larger input's (see BudgetPlanner._keeping_lender): never measured
-    misled: bool  # a larger input's plan misled it (peaked past, ran out of memory): it measures, never borrows
 
 
 def _no_larger(key: Any, other: Any) -> bool:
@@ -179,8 +178,6 @@ def _size(key: Any) -> int:
     """The elements of the tensors of shape(s) ``key`` (see :func:`_no_larger`; names count nothing)."""
     if isinstance(key, str):
         return 0
-    if isinstance(key, int):
-        return key
     if key and all(isinstance(d, int) for d in key):
         return math.prod(key)
     return sum(_size(k) for k in key)
@@ -293,8 +290,8 @@ class BudgetPlanner:
         self._remembered: OrderedDict[Hashable, _InputState] = OrderedDict()  # other inputs' plans, oldest first
         self._measured = 0  # measuring steps ended since the last replan or new input
         self._borrowed = False  # the current input runs a larger input's plan, unmeasured (see _keeping_lender)
-        self._misled = False  # ... and that plan misled it: it measures, and never borrows again
-        self._misled_inputs: OrderedDict[Hashable, None] = OrderedDict()  # every input so misled (_MISLED_INPUTS)
+        # Inputs a lent plan misled (peaked past it, ran out of memory): they measure, and never borrow again.
+        self._misled_inputs: OrderedDict[Hashable, None] = OrderedDict()  # (up to _MISLED_INPUTS)
 
     @property
     def measuring(self) -> bool:
@@ -460,7 +457,9 @@ class BudgetPlanner:
         # An input none of whose measuring steps ended is kept where the next must be frugal: its step ran out of
         # memory (or passed its watermark) keeping its activations, and another input's state taken up in between
         # (one that never tripped) would have its next measuring step keep them again, and fail the same way.
-        if previous is not _NO_INPUT and (self.profile is not None or self.tripped or self._misled):
+        # So is one a lent plan misled (it measures next, as it would have measured itself).
+        misled = previous in self._misled_inputs
+        if previous is not _NO_INPUT and (self.profile is not None or self.tripped or misled):
             self._remembered[previous] = _InputState(
                 self.profile,
                 self.plan if self._measure_left <= 0 else None,
@@ -476,21 +475,18 @@ class BudgetPlanner:
                 self._plan_steps,
                 self._slow_forward,
                 self._borrowed,
-                self._misled,
             )
             self._remembered.move_to_end(previous)
             while len(self._remembered) > _REMEMBERED_INPUTS:
                 self._remembered.popitem(last=False)
         # (One whose step failed measures, frugally; one that a lent plan misled measures.)
-        borrows = key not in self._misled_inputs
-        if borrows and (kept is None or (kept.plan is None and not kept.tripped and not kept.misled)):
+        if key not in self._misled_inputs and (kept is None or (kept.plan is None and not kept.tripped)):
             kept = self._keeping_lender(key) or kept
         if kept is None or kept.profile is None:
             self._trials = PlanTrials(self._trials.enabled)  # the old input's trials stay with it
             self._forget_input(1)
             if kept is not None:
                 self.tripped = kept.tripped  # its measuring steps failed: the next is frugal
-                self._misled = kept.misled  # (kept so while another input runs before it measures)
             return True
         # What planned steps of other inputs taught about the machine counts here too (as in a new measurement).
         self.profile = dataclasses.replace(
@@ -503,7 +499,7 @@ class BudgetPlanner:
         self._measure_left, self._measured, self.tripped = kept.measure_left, kept.measured, kept.tripped
         self._plan_since = None  # the steps since it last ran ran other plans
         self._plan_steps, self._slow_forward = kept.plan_steps, kept.slow_forward
-        self._borrowed, self._misled = kept.borrowed, kept.misled
+        self._borrowed = kept.borrowed
         # Its plan's first step checks the cache where it has not yet (with inputs that alternate, measuring ends as
         # another input's step begins). A cache found worth emptying is emptied before the next step all the same:
         # it is the process's, not the input's. (Both were dropped here: with lengths that change from batch to batch,
@@ -528,9 +524,8 @@ class BudgetPlanner:
         lenders = [
             (name, state)
             for name, state in self._remembered.items()
-            if state.plan is not None
+            if state.plan is not None  # (kept only once its measuring was over)
             and state.profile is not None
-            and state.measure_left <= 0
             and state.plan.fits
             and not (state.plan.offload_bytes or state.plan.checkpoint_blocks or state.plan.light_blocks)
             and _no_larger(key, name)
@@ -547,12 +542,10 @@ class BudgetPlanner:
             plan_steps=(),
             slow_forward=None,
             borrowed=True,
-            misled=False,
         )
 
     def _note_misled(self) -> None:
         """The current input's lent plan misled it: it measures, and is never lent a plan again."""
-        self._misled = True
         self._misled_inputs[self._input] = None
         self._misled_inputs.move_to_end(self._input)
         while len(self._misled_inputs) > _MISLED_INPUTS:
@@ -565,7 +558,7 @@ class BudgetPlanner:
         # new profile leads to an equal plan (kept unchanged then, so nothing else would restart its first step).
         self._plan_since = None
         self._plan_steps, self._slow_forward = (), None
-        self._borrowed = self._misled = False
+        self._borrowed = False
         self._measure_left = max(self._measure_left, measuring_steps)
         self._measured = 0
         self._trials.reset()
