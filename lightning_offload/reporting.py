@@ -21,7 +21,8 @@ from lightning_offload.stats import OffloadStats
 # Every figure the callback logs, in the words its docstring (and ``--help``) shows.
 METRIC_DOCS = """\
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies; a batch the dataloader yielded as
-    ``None`` logs nothing offloaded and NaN for the peaks and the plan):
+    ``None`` logs nothing offloaded and NaN for the peaks and the plan; a batch whose row Lightning writes only because
+    a later hook stopped training there holds its own figures, its copy timings left out):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
         micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
         ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
@@ -57,6 +58,26 @@ METRIC_DOCS = """\
         ``offload/d2h_gbps_epoch_mean`` and ``offload/h2d_gbps_epoch_mean``: (``mode="streamed"`` on CUDA with
         ``measure_copies=True``) the epoch's bandwidth: bytes copied over time spent copying.
 """
+
+# The per-batch figures, as Lightning's result collection names them: logged from ``on_train_batch_end``.
+_STEP_KEYS = (
+    "offload/peak_allocated_gib",
+    "offload/peak_reserved_gib",
+    "offload/alloc_flushes",
+    "offload/offloaded_gib",
+    "offload/host_pinned_gib",
+    "offload/stall_ms",
+    "offload/d2h_gbps",
+    "offload/h2d_gbps",
+    "offload/memory_budget_gib",
+    "offload/plan_offload_gib",
+    "offload/plan_checkpoint_blocks",
+    "offload/plan_split",
+    "offload/plan_light_blocks",
+    "offload/plan_peak_gib",
+    "offload/plan_trial",
+)
+_LOGGED_FROM = tuple(f"on_train_batch_end.{key}" for key in _STEP_KEYS)
 
 
 class StepReporter:
@@ -136,11 +157,14 @@ class StepReporter:
         peaks = (counters.peak, counters.reserved_peak) if counters is not None else None
         if self.epoch_metrics is not None and not plain:
             self.epoch_metrics.update(stats, *(peaks or (None, None)))
+        planner = engine.planner
+        # Measuring and comparison batches ran no plan (the one held may be an earlier input shape's).
+        plan = planner.plan if planner is not None and not planner.measuring and not plain else None
+        figures = self._figures(stats, counters, planner, plan, ran=True, timed=will_log)
         if will_log:
-            planner = engine.planner
-            # Measuring and comparison batches ran no plan (the one held may be an earlier input shape's).
-            plan = planner.plan if planner is not None and not planner.measuring and not plain else None
-            self._log(trainer, pl_module, stats, counters, planner, plan, ran=True)
+            self._log(trainer, pl_module, figures)
+        else:
+            _hold_for_late_row(trainer, figures)
         return stats
 
     def skipped_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
@@ -149,21 +173,24 @@ class StepReporter:
         Lightning writes a row for it all the same, with the last value each key was given: logging nothing would log
         the batch before's figures under this batch's step. The step the next batch belongs to is left as it was.
         """
-        if _logs(trainer):
-            stats = _held_only(engine.collect_stats(wait=False))
-            self._log(trainer, pl_module, stats, None, engine.planner, None, ran=False)
+        will_log = _logs(trainer)
+        stats = _held_only(engine.collect_stats(wait=False))
+        figures = self._figures(stats, None, engine.planner, None, ran=False, timed=will_log)
+        if will_log:
+            self._log(trainer, pl_module, figures)
+        else:
+            _hold_for_late_row(trainer, figures)
 
-    def _log(
+    def _figures(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
         stats: OffloadStats,
         counters: AllocatorCounters | None,
         planner: BudgetPlanner | None,
         plan: Plan | None,
         ran: bool,
-    ) -> None:
-        """Log one batch's figures.
+        timed: bool,
+    ) -> dict[str, float]:
+        """One batch's figures, by metric name.
 
         Args:
             stats: its counters.
@@ -172,6 +199,7 @@ class StepReporter:
             plan: the plan it ran (``None``: it ran none, its ``plan_*`` keys are NaN).
             ran: it ran at all; one that did not logs NaN for the peaks (it has none, and Lightning would log the last
                 step's again).
+            timed: its copy timings were waited for; otherwise the figures CUDA events time are left out.
         """
         metrics: dict[str, float] = {}
         cuda = self.cuda
@@ -185,9 +213,9 @@ class StepReporter:
                 metrics[key] = nan
         metrics["offload/offloaded_gib"] = stats.offloaded_bytes / GiB
         metrics["offload/host_pinned_gib"] = stats.host_pinned_bytes / GiB
-        if self.options.mode == "streamed" and cuda is not None:
+        if self.options.mode == "streamed" and cuda is not None and timed:
             metrics["offload/stall_ms"] = stats.stall_ms
-        if self.options.measure_copies and self.options.mode == "streamed" and cuda is not None:
+        if self.options.measure_copies and self.options.mode == "streamed" and cuda is not None and timed:
             # Only the copy streams' copies are timed (sync mode copies untimed on the compute stream), and a batch
             # that timed no copy has no bandwidth: NaN, not 0 GB/s (nor the last value, which Lightning would repeat).
             metrics["offload/d2h_gbps"] = stats.d2h_gbps() if stats.d2h_ms > 0 else nan
@@ -202,6 +230,11 @@ class StepReporter:
             metrics["offload/plan_light_blocks"] = float(plan.light_blocks) if plan is not None else nan
             metrics["offload/plan_peak_gib"] = plan.peak / GiB if plan is not None else nan
             metrics["offload/plan_trial"] = float(planner.trying) if plan is not None else nan
+        return metrics
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
+        """Log one batch's figures through ``LightningModule.log``."""
+        cuda = self.cuda
         shown = "offload/peak_allocated_gib" if cuda is not None else "offload/offloaded_gib"
         # Without a logger the values still reach ``trainer.callback_metrics`` and the progress bar; asking for the
         # logger anyway would make Lightning warn once per key.
@@ -234,6 +267,31 @@ class StepReporter:
 def _logs(trainer: pl.Trainer) -> bool:
     """Whether the logger writes this training batch's figures (``log_every_n_steps``)."""
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True))
+
+
+def _hold_for_late_row(trainer: pl.Trainer, figures: dict[str, float]) -> None:
+    """Give Lightning this batch's figures without logging them: for a batch the logger does not write, unless a hook
+    that runs after the callback's (``Trainer(max_time=...)``'s timer, the module's own ``on_train_batch_end``) stops
+    training, and Lightning writes the batch's row after all. It would write the value each key was last logged with,
+    another batch's. Logging every batch would cost ``LightningModule.log``'s bookkeeping per key (about 0.1-0.2 ms
+    each on a CPU core) at every step; this writes the value Lightning holds for each key the callback logged before
+    (a CPU scalar each, no device synchronization), and leaves out a key this batch has no figure for (its copy
+    timings, not waited for). It reaches into Lightning's result collection, which is not public: where that has
+    another layout, nothing is held, as before.
+    """
+    results = getattr(trainer, "_results", None)
+    if results is None or not isinstance(results, dict):
+        return
+    for key in _LOGGED_FROM:
+        held = results.get(key)
+        meta = getattr(held, "meta", None)
+        if meta is None or not hasattr(held, "_forward_cache") or not hasattr(held, "has_reset"):
+            continue
+        value = figures.get(meta.name)
+        if value is None:
+            held.has_reset = True  # left out of the metrics Lightning collects until the key is logged again
+        else:
+            held._forward_cache = torch.tensor(value, dtype=torch.get_default_dtype())
 
 
 def _held_only(stats: OffloadStats) -> OffloadStats:

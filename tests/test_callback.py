@@ -1663,3 +1663,56 @@ def test_lengths_that_change_and_come_back_train_as_without_the_callback_under_p
     assert max(module.lent) > 0, "no host buffer was lent"
     assert checkpointed_modules(net) == []  # the fit's end took the planner's wrappers off
     assert_clean(callback)
+
+
+def test_a_row_lightning_writes_after_a_later_hook_stops_training_holds_that_batch_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``log_every_n_steps`` > 1 the callback logs only the batches the logger writes, as it learns in its own
+    ``on_train_batch_end``. A hook that runs after it (``Trainer(max_time=...)``'s timer, the module's own hook) may
+    stop training there, and Lightning then writes that batch's row all the same: it must hold that batch's offloaded
+    bytes, peak and plan, not those of the last batch logged, and no copy timing it did not wait for."""
+    peaks = FakeCudaPeaks(left_over=0, step_peak=0, flushes=[0] * 8)
+    fake_cuda_peaks(monkeypatch, peaks)
+    plan_on_cpu(monkeypatch)
+    seen: dict[int, tuple[float, float]] = {}
+
+    class PeakNet(LitNet):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+            peaks.step_peak = (batch_idx + 1) << 30  # each batch its own peak
+            peaks.step()
+            return super().training_step(batch, batch_idx)
+
+    class StopAfter(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            engine = callback.engine
+            assert engine is not None and engine.planner is not None
+            plan = engine.planner.plan if not engine.planner.measuring else None
+            seen[trainer.global_step - 1] = (callback.stats.offloaded_bytes / 2**30, plan.peak / 2**30 if plan else -1)
+            if trainer.global_step == 6:
+                trainer.should_stop = True
+
+    callback = offload_callback(memory_budget="8GiB", measure_copies=True)
+    # The first two batches measure, the third runs the plan (keeping everything); the fourth, twice as large, measures
+    # (offloading) and the rest run the first plan again.
+    data = [torch.randn(BATCH * size, WIDTH) for size in (1, 1, 1, 2, 1, 1, 1, 1)]
+    fit(
+        tmp_path,
+        PeakNet(offload=callback),
+        data,
+        [callback, StopAfter()],
+        max_steps=-1,
+        max_epochs=1,
+        log_every_n_steps=4,
+    )
+    rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
+    assert sorted(rows) == [3, 5]  # the logged step, and the one a later hook stopped at
+    late = rows[5]
+    assert float(late["offload/offloaded_gib"]) == pytest.approx(seen[5][0])
+    assert seen[3][0] > 0 and seen[5][0] == 0
+    assert late["offload/peak_allocated_gib"] == "6.0"
+    assert late["offload/peak_reserved_gib"] == "6.0"
+    assert seen[5][1] > 0 and float(late["offload/plan_peak_gib"]) == pytest.approx(seen[5][1], rel=1e-6)
+    # Copy timings finish on the device after the batch; not waited for, they are left out rather than guessed.
+    for key in ("offload/stall_ms", "offload/d2h_gbps", "offload/h2d_gbps"):
+        assert rows[3][key] != "" and late[key] == "", key

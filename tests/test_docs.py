@@ -223,3 +223,12 @@ def test_every_key_the_reporter_logs_is_documented_and_every_documented_key_is_l
     assert documented == step_keys | epoch_keys, "README's metric tables and the logged keys differ"
     in_docstring = set(re.findall(r"``(offload/\w+)``", docstring))
     assert in_docstring == step_keys | epoch_keys, "the callback's docstring and the logged keys differ"
+
+
+def test_the_keys_held_for_a_late_row_are_every_key_the_reporter_logs_per_batch() -> None:
+    """A batch the logger does not write still hands Lightning its figures, key by key from a list: a key logged but
+    missing from it would show another batch's value in a row Lightning writes after a later hook stops training."""
+    from lightning_offload import reporting
+
+    assert set(reporting._STEP_KEYS) == logged_step_keys()
+    assert len(reporting._STEP_KEYS) == len(set(reporting._STEP_KEYS))
