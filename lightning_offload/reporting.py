@@ -241,7 +241,10 @@ class StepReporter:
         to_logger = bool(trainer.loggers)
         for key, value in metrics.items():
             prog_bar = self.progress_bar and key == shown
-            pl_module.log(key, value, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
+            # A host scalar: given a float, Lightning makes a tensor on the module's device (a blocking copy per key),
+            # and reading it back (the progress bar does after every batch) waits for the device's queued work.
+            held = torch.tensor(value)
+            pl_module.log(key, held, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
 
     def end_epoch(self, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
         # The next epoch's first batch opens an optimizer step: Lightning steps at an epoch's last batch, and zeroes the
@@ -291,7 +294,8 @@ def _hold_for_late_row(trainer: pl.Trainer, figures: dict[str, float]) -> None:
         if value is None:
             held.has_reset = True  # left out of the metrics Lightning collects until the key is logged again
         else:
-            held._forward_cache = torch.tensor(value, dtype=torch.get_default_dtype())
+            # As logging does (the epoch's start resets every key: a row written then holds the figures too).
+            held._forward_cache, held.has_reset = torch.tensor(value), False
 
 
 def _held_only(stats: OffloadStats) -> OffloadStats:

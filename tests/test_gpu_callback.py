@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_offload import ActivationOffloadCallback
+from lightning_offload import ActivationOffloadCallback, reporting
 from tests.test_gpu_engine import Net, _deterministic  # noqa: F401  (autouse fixture: deterministic kernels)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -139,3 +139,26 @@ def test_alloc_flushes_are_the_cache_flushes_of_each_step(tmp_path: Path) -> Non
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = [float(row["offload/alloc_flushes"]) for row in rows if row.get("offload/alloc_flushes")]
     assert logged == [float(n) for n in module.flushes]
+
+
+def test_logged_figures_are_host_scalars_so_reading_them_never_waits_for_the_device(tmp_path: Path) -> None:
+    """The progress bar and ``trainer.callback_metrics`` read every figure after every batch; a figure held on the
+    device would make each read wait for the device's queued work, logged batches and batches not logged alike."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 4096, (3, 4, 1024))
+    callback = ActivationOffloadCallback(progress_bar=True)
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        callbacks=[callback],
+        logger=pl.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        enable_progress_bar=True,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TokenModule(), DataLoader(list(data), batch_size=None))
+    ours = {key: value for key, value in trainer.callback_metrics.items() if key in reporting._STEP_KEYS}
+    assert "offload/peak_allocated_gib" in ours and "offload/plan_peak_gib" in ours, sorted(ours)
+    assert {key: value.device.type for key, value in ours.items()} == dict.fromkeys(ours, "cpu")
