@@ -1716,3 +1716,34 @@ def test_a_row_lightning_writes_after_a_later_hook_stops_training_holds_that_bat
     # Copy timings finish on the device after the batch; not waited for, they are left out rather than guessed.
     for key in ("offload/stall_ms", "offload/d2h_gbps", "offload/h2d_gbps"):
         assert rows[3][key] != "" and late[key] == "", key
+
+
+def test_a_row_written_after_a_later_hook_stops_training_early_in_an_epoch_holds_that_batch_figures(
+    tmp_path: Path,
+) -> None:
+    """Lightning clears what each key holds as an epoch ends; a later hook stopping training at the next epoch's first
+    batch, which the logger would not write, still gets that batch's figures in its row."""
+    seen: dict[int, float] = {}
+
+    class StopAfter(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
+            if trainer.global_step == 5:  # the second epoch's first batch
+                trainer.should_stop = True
+
+    callback = offload_callback()
+    data = [torch.randn(BATCH * size, WIDTH) for size in (1, 1, 1, 1)]
+    data[0] = torch.randn(BATCH * 3, WIDTH)  # each epoch's first batch offloads more than the others
+    fit(
+        tmp_path,
+        LitNet(offload=callback),
+        data,
+        [callback, StopAfter()],
+        max_steps=-1,
+        max_epochs=3,
+        log_every_n_steps=3,
+    )
+    rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
+    assert sorted(rows) == [2, 4]
+    assert float(rows[4]["offload/offloaded_gib"]) == pytest.approx(seen[4])
+    assert seen[4] > seen[2]
