@@ -243,7 +243,7 @@ class StepReporter:
             prog_bar = self.progress_bar and key == shown
             # A host scalar: given a float, Lightning makes a tensor on the module's device (a blocking copy per key),
             # and reading it back (the progress bar does after every batch) waits for the device's queued work.
-            held = torch.tensor(value)
+            held = _host_scalar(value)
             pl_module.log(key, held, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
 
     def end_epoch(self, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
@@ -295,7 +295,15 @@ def _hold_for_late_row(trainer: pl.Trainer, figures: dict[str, float]) -> None:
             held.has_reset = True  # left out of the metrics Lightning collects until the key is logged again
         else:
             # As logging does (the epoch's start resets every key: a row written then holds the figures too).
-            held._forward_cache, held.has_reset = torch.tensor(value), False
+            held._forward_cache, held.has_reset = _host_scalar(value), False
+
+
+def _host_scalar(value: float) -> torch.Tensor:
+    """``value`` as a CPU scalar of float32 or wider, as Lightning stores a logged float: ``torch.tensor(value)``
+    alone would follow the default dtype (bf16 under ``torch.set_default_dtype(torch.bfloat16)``: three significant
+    digits) and the default device (``torch.set_default_device("cuda")``: the copy this avoids)."""
+    dtype = torch.get_default_dtype()
+    return torch.tensor(value, dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32, device="cpu")
 
 
 def _held_only(stats: OffloadStats) -> OffloadStats:

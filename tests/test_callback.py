@@ -1747,3 +1747,31 @@ def test_a_row_written_after_a_later_hook_stops_training_early_in_an_epoch_holds
     assert sorted(rows) == [2, 4]
     assert float(rows[4]["offload/offloaded_gib"]) == pytest.approx(seen[4])
     assert seen[4] > seen[2]
+
+
+def test_logged_figures_keep_their_precision_under_a_half_default_dtype(tmp_path: Path) -> None:
+    """With ``torch.set_default_dtype(torch.bfloat16)`` (a model built in bf16), Lightning stores a logged float as
+    float32 at least; a figure handed to it as a tensor of the default dtype would be rounded to bf16's three digits,
+    in a logged row and in a late row alike (a later hook stops training at a batch the logger would not write)."""
+    seen: dict[int, float] = {}
+
+    class StopAfter(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
+            if trainer.global_step == 5:
+                trainer.should_stop = True
+
+    callback = offload_callback()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        module = LitNet(offload=callback)
+        data = [torch.randn(BATCH * 3, WIDTH) for _ in range(6)]
+        fit(tmp_path, module, data, [callback, StopAfter()], max_steps=6, log_every_n_steps=3)
+    finally:
+        torch.set_default_dtype(default)
+    rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
+    assert sorted(rows) == [2, 4]
+    for step, row in rows.items():
+        # bf16 keeps about three significant digits, float32 about seven
+        assert float(row["offload/offloaded_gib"]) == pytest.approx(seen[step], rel=1e-6), step
