@@ -7,6 +7,9 @@ fit), after the engine read the step before's: the memory-budget planner learns 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 
@@ -22,7 +25,7 @@ from lightning_offload.stats import OffloadStats
 METRIC_DOCS = """\
     Logged metrics (through ``LightningModule.log``, so ``log_every_n_steps`` applies; a batch the dataloader yielded as
     ``None`` logs nothing offloaded and NaN for the peaks and the plan; a batch whose row Lightning writes only because
-    a later hook stopped training there holds its own figures, its copy timings left out):
+    a hook stopped training during or after it holds its own figures, its copy timings left out):
         ``offload/peak_allocated_gib``: peak ``torch.cuda.memory_allocated`` over the optimizer step (all
         micro-batches of an accumulation window), in GiB; the first batch of every fit starts from a reset.
         ``offload/peak_reserved_gib``: the same for memory reserved by the caching allocator.
@@ -95,6 +98,8 @@ class StepReporter:
         self.epoch_metrics: OffloadEpochMetrics | None = None
         self._new_step = True  # the next batch opens a new optimizer step
         self._stepped = False  # an optimizer step ran in this batch
+        # Copy timings of a batch not logged may still be running: read later, they count in a later batch's figures.
+        self._timings_behind = False
         self._flushes_at_start = 0  # the allocator's cache flushes as the optimizer step began (CUDA)
         # The optimizer step's peaks so far, allocated and reserved: the highest of its batches' (CUDA).
         self._step_peaks = (0, 0)
@@ -107,7 +112,7 @@ class StepReporter:
             streamed=self.options.mode == "streamed",
             measure_copies=self.options.measure_copies,
         )
-        self._new_step, self._stepped = True, False
+        self._new_step, self._stepped, self._timings_behind = True, False, False
 
     def start_batch(self) -> None:
         """Reset the peak counters as this batch begins (after the engine started its step, and read the peak of the
@@ -128,6 +133,7 @@ class StepReporter:
         batch's figures (the engine adds what it reads to the step open then) instead of that batch's."""
         if self.cuda is not None and _logs(trainer):
             engine.collect_stats(wait=True)
+            self._timings_behind = False
 
     def optimizer_stepped(self) -> None:
         self._stepped = True
@@ -140,7 +146,12 @@ class StepReporter:
         self._new_step, self._stepped = stepped, False
         # Timing events are waited for only when the logger writes: anything else would sync every step.
         will_log = _logs(trainer)
+        # A batch logged although it was not to be as it began (training was stopped during it: by its training_step,
+        # by a hook that runs before this one) did not wait then for the batch before's timings: its own would be read
+        # together with them. Left out, as for a batch not logged (the comparison batch logs none of the engine's).
+        timed = will_log and (plain or not self._timings_behind)
         stats = engine.collect_stats(wait=will_log)
+        self._timings_behind = not will_log
         if plain:
             # The memory picture's comparison batch offloaded nothing: log that (and its real peak), and keep it out
             # of the epoch summaries, which describe offloading.
@@ -160,7 +171,7 @@ class StepReporter:
         planner = engine.planner
         # Measuring and comparison batches ran no plan (the one held may be an earlier input shape's).
         plan = planner.plan if planner is not None and not planner.measuring and not plain else None
-        figures = self._figures(stats, counters, planner, plan, ran=True, timed=will_log)
+        figures = self._figures(stats, counters, planner, plan, ran=True, timed=timed)
         if will_log:
             self._log(trainer, pl_module, figures)
         else:
@@ -245,6 +256,11 @@ class StepReporter:
             # and reading it back (the progress bar does after every batch) waits for the device's queued work.
             held = _host_scalar(value)
             pl_module.log(key, held, on_step=True, on_epoch=False, logger=to_logger, prog_bar=prog_bar, batch_size=1)
+        # A key logged before that this batch has no figure for (its copy timings, left out) would be written with the
+        # value it was last given, another batch's: left out of the row instead.
+        for name, held in _held_entries(trainer):
+            if name not in metrics:
+                held.has_reset = True
 
     def end_epoch(self, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
         # The next epoch's first batch opens an optimizer step: Lightning steps at an epoch's last batch, and zeroes the
@@ -255,6 +271,7 @@ class StepReporter:
         if summaries is None:
             return
         engine.collect_stats(wait=True)  # the last batch's timings: one wait per epoch
+        self._timings_behind = False
         # Every process computes (the reduction is collective), and logs the same reduced values. ``sync_dist``
         # averages identical numbers (a no-op on the values); without it Lightning warns on every epoch key.
         to_logger = bool(pl_module.loggers)
@@ -282,6 +299,18 @@ def _hold_for_late_row(trainer: pl.Trainer, figures: dict[str, float]) -> None:
     timings, not waited for). It reaches into Lightning's result collection, which is not public: where that has
     another layout, nothing is held, as before.
     """
+    for name, held in _held_entries(trainer):
+        value = figures.get(name)
+        if value is None:
+            held.has_reset = True  # left out of the metrics Lightning collects until the key is logged again
+        else:
+            # As logging does (the epoch's start resets every key: a row written then holds the figures too).
+            held._forward_cache, held.has_reset = _host_scalar(value), False
+
+
+def _held_entries(trainer: pl.Trainer) -> Iterator[tuple[str, Any]]:
+    """The entries of Lightning's result collection (not public) that hold the per-batch figures the callback logged
+    before, by metric name; none where it has another layout."""
     results = getattr(trainer, "_results", None)
     if results is None or not isinstance(results, dict):
         return
@@ -290,12 +319,7 @@ def _hold_for_late_row(trainer: pl.Trainer, figures: dict[str, float]) -> None:
         meta = getattr(held, "meta", None)
         if meta is None or not hasattr(held, "_forward_cache") or not hasattr(held, "has_reset"):
             continue
-        value = figures.get(meta.name)
-        if value is None:
-            held.has_reset = True  # left out of the metrics Lightning collects until the key is logged again
-        else:
-            # As logging does (the epoch's start resets every key: a row written then holds the figures too).
-            held._forward_cache, held.has_reset = _host_scalar(value), False
+        yield meta.name, held
 
 
 def _host_scalar(value: float) -> torch.Tensor:

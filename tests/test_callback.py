@@ -1775,3 +1775,36 @@ def test_logged_figures_keep_their_precision_under_a_half_default_dtype(tmp_path
     for step, row in rows.items():
         # bf16 keeps about three significant digits, float32 about seven
         assert float(row["offload/offloaded_gib"]) == pytest.approx(seen[step], rel=1e-6), step
+
+
+@pytest.mark.parametrize("before", ["batch not logged", "skipped batch logged"])
+def test_copy_timings_are_left_out_of_a_row_written_because_training_stopped_during_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str
+) -> None:
+    """A batch the logger would not write does not wait, as it begins, for the copy timings the batch before left
+    running: they are read into its own figures. Stopped during the batch (here by its ``training_step``; a hook that
+    runs before the callback's ``on_train_batch_end`` does the same), its row is written after all, and the callback
+    logs it: its copy timings would be two batches' together. They are left out, as in a late row (not the values a
+    batch logged before gave them either: here a skipped batch's none); the rest stays."""
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)  # log the figures CUDA events time
+    keys = ("offload/stall_ms", "offload/d2h_gbps", "offload/h2d_gbps")
+    data: list[torch.Tensor | None] = list(batches(6))
+    stop = 4
+    if before == "skipped batch logged":
+        data[2], stop = None, 3  # logged at step 2 (waiting for nothing): batch 1's timings are still unread
+
+    class StopDuring(LitNet):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+            if batch_idx == stop:
+                self.trainer.should_stop = True
+            return super().training_step(batch, batch_idx)
+
+    callback = offload_callback(measure_copies=True)
+    fit(tmp_path, StopDuring(offload=callback), data, [callback], max_steps=6, log_every_n_steps=3)
+    rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
+    assert sorted(rows) == [2, stop]  # the logged step; a step after one not waited for, stopped during its batch
+    assert all(rows[2][key] != "" for key in keys)
+    assert [rows[stop][key] for key in keys] == ["", "", ""]
+    assert float(rows[stop]["offload/offloaded_gib"]) == pytest.approx(callback.stats.offloaded_bytes / 2**30)
+    assert callback.stats.offloaded_bytes > 0
