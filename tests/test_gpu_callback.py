@@ -116,25 +116,36 @@ class FlushingModule(TokenModule):
         return self.net(batch)
 
 
-def test_alloc_flushes_are_the_cache_flushes_of_each_step(tmp_path: Path) -> None:
-    """``offload/alloc_flushes`` is, per optimizer step, how often the allocator flushed its cache in it: the flush the
-    second step forces, nothing in the others."""
+def _fit_three_batches(
+    tmp_path: Path,
+    module: pl.LightningModule,
+    callback: ActivationOffloadCallback,
+    log_every_n_steps: int,
+    progress_bar: bool = False,
+) -> pl.Trainer:
+    """Fit ``module`` on three batches of 4 x 1024 tokens with ``callback``, logging to CSV under ``tmp_path``."""
     torch.manual_seed(0)
     data = torch.randint(0, 4096, (3, 4, 1024))
-    module = FlushingModule()
-    callback = ActivationOffloadCallback(memory_budget=None)
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
         max_steps=3,
         callbacks=[callback],
         logger=pl.loggers.CSVLogger(tmp_path),
-        log_every_n_steps=1,
-        enable_progress_bar=False,
+        log_every_n_steps=log_every_n_steps,
+        enable_progress_bar=progress_bar,
         enable_checkpointing=False,
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(list(data), batch_size=None))
+    return trainer
+
+
+def test_alloc_flushes_are_the_cache_flushes_of_each_step(tmp_path: Path) -> None:
+    """``offload/alloc_flushes`` is, per optimizer step, how often the allocator flushed its cache in it: the flush the
+    second step forces, nothing in the others."""
+    module = FlushingModule()
+    _fit_three_batches(tmp_path, module, ActivationOffloadCallback(memory_budget=None), log_every_n_steps=1)
     assert module.flushes[1] >= 1, "the test could not make the allocator flush its cache"
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = [float(row["offload/alloc_flushes"]) for row in rows if row.get("offload/alloc_flushes")]
@@ -144,21 +155,8 @@ def test_alloc_flushes_are_the_cache_flushes_of_each_step(tmp_path: Path) -> Non
 def test_logged_figures_are_host_scalars_so_reading_them_never_waits_for_the_device(tmp_path: Path) -> None:
     """The progress bar and ``trainer.callback_metrics`` read every figure after every batch; a figure held on the
     device would make each read wait for the device's queued work, logged batches and batches not logged alike."""
-    torch.manual_seed(0)
-    data = torch.randint(0, 4096, (3, 4, 1024))
     callback = ActivationOffloadCallback(progress_bar=True)
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        max_steps=3,
-        callbacks=[callback],
-        logger=pl.loggers.CSVLogger(tmp_path),
-        log_every_n_steps=2,
-        enable_progress_bar=True,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(TokenModule(), DataLoader(list(data), batch_size=None))
+    trainer = _fit_three_batches(tmp_path, TokenModule(), callback, log_every_n_steps=2, progress_bar=True)
     ours = {key: value for key, value in trainer.callback_metrics.items() if key in reporting._STEP_KEYS}
     assert "offload/peak_allocated_gib" in ours and "offload/plan_peak_gib" in ours, sorted(ours)
     assert {key: value.device.type for key, value in ours.items()} == dict.fromkeys(ours, "cpu")
