@@ -263,6 +263,8 @@ class BudgetPlanner:
         self.step = 0  # steps begun
         self._link_share = 1.0  # what planned steps taught (see waited_for_copies)
         self._copy_ms_per_gib = 0.0  # what planned steps taught (see forward_computed)
+        # The latest trials that timed plans copying against plans without kept one without: see _choose.
+        self._copies_lost = False
         # The latest planned step whose forward computed slow, and by how much (see forward_computed).
         self._slow_forward: tuple[int, float] | None = None
         # The current input's latest steps that ran its current plan (with inputs that alternate, not consecutive;
@@ -418,6 +420,7 @@ class BudgetPlanner:
         self.abandon_step()
         self._remembered.clear()
         self._misled_inputs.clear()
+        self._copies_lost = False  # learnt of the model as it was
         self._forget_input(measuring_steps)
 
     @property
@@ -1050,12 +1053,24 @@ class BudgetPlanner:
         timed in turn): what later steps teach about time is what the trials measured."""
         assert self.profile is not None
         candidates = self.candidates()
+        if self._copies_lost and not self._trials.timed:
+            # Another input's trials timed plans that copy against plans without, and kept one without: the model
+            # misprices copies there (the host's cost per saved tensor, copies slowing compute), for this model on
+            # this machine as much as for that input. Where a plan without copies fits, plans with are not run for a
+            # new input: with lengths that change, each new length would otherwise time them anew (on an H200, 4
+            # steps each of 0.32 s against the 0.22 s of the plan kept in the end). An input's own trials, once
+            # begun, go by what they timed (a correction towards memory may time plans that copy again).
+            keeping = [p for p in candidates if not p.offload_bytes]
+            if any(p.fits for p in keeping):
+                candidates = keeping
         plan, trials = cheapest_plan(candidates), self._trials
         if trials.done and trials.timed:
             if not memory:
                 return
             plan = trials.after_correction(candidates) or plan
         chosen, trial = trials.choose(self.profile, candidates, memory)
+        if trials.done and chosen is not None and any(nbytes for _, nbytes, _, _ in trials.timed_plans()):
+            self._copies_lost = not chosen.offload_bytes  # the latest trials that compared copies decide
         plan = chosen or plan
         plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
         changed, previous = plan != self.plan, self.plan

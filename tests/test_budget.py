@@ -2344,3 +2344,30 @@ def test_lengths_that_change_and_come_back_train_as_without_the_engine_under_pla
     assert max(got["lent"]) > 0, "no host buffer was lent"
     engine.close()
     assert checkpointed_modules(model) == []
+
+
+def test_a_new_input_does_not_time_plans_that_copy_again_once_another_inputs_trials_kept_one_without() -> None:
+    """Every saved tensor the hooks bring back in backward costs time the model does not price (nor learns from
+    forward's pace): the first input's trials time plans that copy against plans without and keep one without. A new
+    input (a longer batch) then times only plans without copies, where one fits: the same mispricing would make it
+    time, and lose, the plans that copy again. Alone, the same input would time plans that copy."""
+    small, large = torch.randn(BATCH, WIDTH), torch.randn(BATCH + BATCH // 2, WIDTH)
+
+    def plans_run(inputs: list[torch.Tensor]) -> tuple[list[int], BudgetPlanner]:
+        _, model, _, engine = slow_hooked_engine(small, trials=True, hook="_unpack")
+        offloaded = []
+        for x in inputs:
+            step = step_on(engine, model, x)
+            planner = engine.planner
+            assert planner is not None
+            if x is large and not step["measuring"]:
+                assert planner.plan is not None
+                offloaded.append(planner.plan.offload_bytes)
+        return offloaded, planner
+
+    alone, planner = plans_run([large] * 30)
+    assert not planner.trying and any(alone), "alone, the longer input times no plan that copies"
+    after, planner = plans_run([small] * 30 + [large] * 30)
+    assert not planner.trying and planner.plan is not None and planner.plan.fits
+    assert after and not any(after), after
+    assert len(after) == len(alone) + 1  # as a new input it measured once; alone, as the first, twice
