@@ -171,11 +171,9 @@ class StepReporter:
         planner = engine.planner
         # Measuring and comparison batches ran no plan (the one held may be an earlier input shape's).
         plan = planner.plan if planner is not None and not planner.measuring and not plain else None
-        figures = self._figures(stats, counters, planner, plan, ran=True, timed=timed)
-        if will_log:
-            self._log(trainer, pl_module, figures)
-        else:
-            _hold_for_late_row(trainer, figures)
+        self._hand_over(
+            trainer, pl_module, self._figures(stats, counters, planner, plan, ran=True, timed=timed), will_log
+        )
         return stats
 
     def skipped_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine) -> None:
@@ -186,11 +184,9 @@ class StepReporter:
         """
         will_log = _logs(trainer)
         stats = _held_only(engine.collect_stats(wait=False))
-        figures = self._figures(stats, None, engine.planner, None, ran=False, timed=will_log)
-        if will_log:
-            self._log(trainer, pl_module, figures)
-        else:
-            _hold_for_late_row(trainer, figures)
+        self._hand_over(
+            trainer, pl_module, self._figures(stats, None, engine.planner, None, ran=False, timed=will_log), will_log
+        )
 
     def _figures(
         self,
@@ -242,6 +238,15 @@ class StepReporter:
             metrics["offload/plan_peak_gib"] = plan.peak / GiB if plan is not None else nan
             metrics["offload/plan_trial"] = float(planner.trying) if plan is not None else nan
         return metrics
+
+    def _hand_over(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, figures: dict[str, float], will_log: bool
+    ) -> None:
+        """Log a batch's figures where the logger writes it; else hold them for a row Lightning may write after all."""
+        if will_log:
+            self._log(trainer, pl_module, figures)
+        else:
+            _hold_for_late_row(trainer, figures)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
         """Log one batch's figures through ``LightningModule.log``."""
