@@ -243,7 +243,10 @@ class StepReporter:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, figures: dict[str, float], will_log: bool
     ) -> None:
         """Log a batch's figures where the logger writes it; else hold them for a row Lightning may write after all."""
-        if will_log:
+        # Until a batch was logged, Lightning holds no entry to hand figures to: the first batch not logged is logged
+        # all the same (once; the logger does not write it), so a row written late before the first logged batch
+        # (training stopped early by ``max_time``) holds that batch's figures instead of none.
+        if will_log or not any(True for _ in _held_entries(trainer)):
             self._log(trainer, pl_module, figures)
         else:
             _hold_for_late_row(trainer, figures)

@@ -1808,3 +1808,23 @@ def test_copy_timings_are_left_out_of_a_row_written_because_training_stopped_dur
     assert [rows[stop][key] for key in keys] == ["", "", ""]
     assert float(rows[stop]["offload/offloaded_gib"]) == pytest.approx(callback.stats.offloaded_bytes / 2**30)
     assert callback.stats.offloaded_bytes > 0
+
+
+def test_a_row_written_late_before_the_first_logged_batch_holds_that_batch_figures(tmp_path: Path) -> None:
+    """A later hook stopping training before the logger wrote any batch (``log_every_n_steps`` not reached yet, as
+    ``Trainer(max_time=...)`` may) makes Lightning write that batch's row: it holds the batch's figures, not none."""
+    seen: dict[int, float] = {}
+
+    class StopAfter(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    callback = offload_callback()
+    data = [torch.randn(BATCH * size, WIDTH) for size in (1, 1, 3, 1)]  # the stopped batch offloads the most
+    fit(tmp_path, LitNet(offload=callback), data, [callback, StopAfter()], max_steps=-1, log_every_n_steps=10)
+    rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
+    assert sorted(rows) == [2]
+    assert float(rows[2]["offload/offloaded_gib"]) == pytest.approx(seen[2])
+    assert seen[2] > seen[0]
