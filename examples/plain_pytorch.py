@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_model import DecoderOnlyTransformer
 
-from lightning_offload import no_offload, offload_activations
+from lightning_offload import OffloadEngine, no_offload, offload_activations
 
 GiB = 1 << 30
 
@@ -55,11 +55,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(vocab, (batch, seq + 1), device=device)
 
-    def step(context: object | None) -> None:
+    def step(context: OffloadEngine | None) -> None:
         optimizer.zero_grad(set_to_none=True)
         if context is None:
             logits = model(tokens[:, :-1])
         else:
+            # Under a memory budget a new input shape is measured before it is planned, and one met before runs its
+            # own plan: name each step's input before entering the engine (here the shape never changes).
+            context.input_changed(tuple(tokens[:, :-1].shape))
             with context:  # activations saved in here go to host memory
                 logits = model(tokens[:, :-1])
         # The loss's saved tensors are needed first in backward: keep them on the device explicitly.
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         loss.backward()  # offloaded activations come back (prefetched in "streamed" mode) as backward needs them
         optimizer.step()
 
-    def peak_of(context: object | None) -> float:
+    def peak_of(context: OffloadEngine | None) -> float:
         step(context)  # warm-up: optimizer state, pinned buffers
         if cuda:
             torch.cuda.synchronize()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import torch
@@ -67,11 +68,15 @@ def offload_activations(
     options = OffloadOptions.create("offload_activations", **values)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
-    if local_processes is not None and (isinstance(local_processes, bool) or not isinstance(local_processes, int)):
-        raise TypeError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
-    if local_processes is not None and local_processes < 1:
-        # Not silently replaced (by ``LOCAL_WORLD_SIZE`` for 0, by 1 below it): the count splits the host limit.
-        raise ValueError(f"offload_activations(local_processes={local_processes!r}): expected a positive int or None")
+    if local_processes is not None:
+        wrong = f"offload_activations(local_processes={local_processes!r}): expected a positive int or None"
+        # Any integer type (numpy's too, as the byte options take), but not a bool; kept as a plain ``int``.
+        if isinstance(local_processes, bool) or not isinstance(local_processes, numbers.Integral):
+            raise TypeError(wrong)
+        if local_processes < 1:
+            # Not silently replaced (by ``LOCAL_WORLD_SIZE`` for 0, by 1 below it): the count splits the host limit.
+            raise ValueError(wrong)
+        local_processes = int(local_processes)
     from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
 
     check_recompute(recompute, f"offload_activations(recompute={recompute!r})", checkpoint)

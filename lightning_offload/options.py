@@ -293,6 +293,10 @@ def _parse_device(caller: str, value: Any) -> torch.device | None:
         )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        # "cpu:0" names the one CPU, but kept with its index it equals no CPU tensor's device (torch gives them none),
+        # and nothing would be offloaded.
+        device = torch.device("cpu")
     return device
 
 

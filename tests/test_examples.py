@@ -40,6 +40,30 @@ def test_plain_pytorch_cpu_smoke(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert "tensors saved" in capsys.readouterr().out
 
 
+def test_plain_pytorch_names_each_steps_input_before_entering_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README asks a loop under a ``memory_budget`` (as this example gives on a GPU) to call
+    ``off.input_changed(...)`` before each step; the example never did, so a reader who copied it to batches of
+    changing lengths ran the first shape's plan on every later one."""
+    from lightning_offload.engine import OffloadEngine
+
+    events: list[str] = []
+    input_changed, install = OffloadEngine.input_changed, OffloadEngine.install
+
+    def named(self: OffloadEngine, key: Any) -> None:
+        events.append("input_changed")
+        input_changed(self, key)
+
+    def installed(self: OffloadEngine) -> None:
+        events.append("install")
+        install(self)
+
+    monkeypatch.setattr(OffloadEngine, "input_changed", named)
+    monkeypatch.setattr(OffloadEngine, "install", installed)
+    main = example_main("plain_pytorch", monkeypatch)
+    main(["--cpu", "--steps", "2"])
+    assert events == ["input_changed", "install"] * 3  # the warm-up step and two more
+
+
 def test_llama_lora_cpu_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")

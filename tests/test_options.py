@@ -301,3 +301,28 @@ def test_byte_options_take_any_integer_type_and_keep_plain_ints() -> None:
     for options in (OffloadOptions.create("t", **values), OffloadOptions(**values)):  # type: ignore[arg-type]
         for name, value in values.items():
             assert getattr(options, name) == int(value) and type(getattr(options, name)) is int, name
+
+
+def test_local_processes_takes_any_integer_type_and_keeps_a_plain_int() -> None:
+    """``local_processes=np.int64(2)`` (a count computed with numpy) was refused as "expected a positive int", while
+    every byte option takes numpy integers; it is taken and kept as a plain ``int``."""
+    import numpy as np
+
+    engine = offload_activations(compute_device="cpu", local_processes=np.int64(2))
+    assert engine.local_processes == 2 and type(engine.local_processes) is int
+    with pytest.raises(TypeError, match=r"offload_activations\(local_processes=True\): expected a positive int"):
+        offload_activations(compute_device="cpu", local_processes=True)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0), "cpu:1"])
+def test_compute_device_cpu_with_an_index_offloads_cpu_tensors(device: Any) -> None:
+    """``compute_device="cpu:0"`` was accepted and kept with its index, which no CPU tensor's device has (torch gives
+    CPU tensors none): nothing was ever offloaded, silently. Any CPU spelling is the CPU."""
+    engine = offload_activations(compute_device=device, memory_budget=None, min_tensor_bytes=0, resident_tail_bytes=0)
+    assert engine.options.compute_device == torch.device("cpu")
+    x = torch.randn(8, 8, requires_grad=True)
+    with engine:
+        loss = torch.tanh(x * 1.0).sum()
+    loss.backward()
+    assert engine.stats.offloaded_bytes == 8 * 8 * 4
+    assert ActivationOffloadCallback(compute_device=device).options.compute_device == torch.device("cpu")
