@@ -85,7 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=None, help="also checkpoint blocks: 'auto' or a class name")
     parser.add_argument("--max-offload-gib", type=float, default=None, help="offload at most this much per forward")
     parser.add_argument(
-        "--memory-budget-gib", type=float, default=None, help="memory budget of the offloading run (GPU default: half)"
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="memory budget of the offloading run, on a GPU only (default: half)",
     )
     parser.add_argument("--memory-picture", action="store_true", help="draw one step's memory into the log folder")
     parser.add_argument("--precision", default=None, help="Trainer precision (GPU default bf16-mixed)")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -357,6 +359,40 @@ def wrap_blocks(model: nn.Module, names: Iterable[str], recompute: str = "all") 
         _wrap(modules[name], recompute)
 
 
+class WrappedBlocks:
+    """The blocks one ``offload_activations(checkpoint=...)`` or ``fabric_offload(checkpoint=...)`` call checkpointed:
+    taken off as its engine closes (the model left as it was) and put back if the engine is used again.
+
+    Wraps ``names`` of ``model`` at once (:func:`wrap_blocks`; a block already wrapped switches to ``recompute``). Only
+    the blocks it wrapped itself are taken off: one the user had checkpointed before stays checkpointed.
+    """
+
+    def __init__(self, model: nn.Module, names: Iterable[str], recompute: str) -> None:
+        self.names = list(names)
+        modules = dict(model.named_modules())
+        self._own = [name for name in self.names if name in modules and not is_checkpointed(modules[name])]
+        self._model = weakref.ref(model)
+        self._recompute = recompute
+        wrap_blocks(model, self.names, recompute)
+        self.applied = True
+
+    def apply(self) -> None:
+        """Wrap the blocks taken off by :meth:`remove` again (nothing where they are on, or the model is gone)."""
+        model = self._model()
+        if self.applied or model is None:
+            return
+        wrap_blocks(model, self._own, self._recompute)
+        self.applied = True
+
+    def remove(self) -> None:
+        """Take off the wrappers this call put on."""
+        model = self._model()
+        if not self.applied or model is None:
+            return
+        remove_checkpointing(model, self._own)
+        self.applied = False
+
+
 def check_recompute(recompute: Any, call: str, checkpoint: Any = "auto") -> None:
     """Raise unless ``recompute`` is one of :data:`RECOMPUTE` and, where it is not ``"all"``, blocks are selected
     (``checkpoint`` not ``None``); ``call`` is quoted in the message."""
@@ -394,7 +430,7 @@ def select_blocks(
             raise ValueError(
                 f"{call}: {_selector_text(selector)} matches no module of {type(model).__name__} (by class name, "
                 f"qualified name or type); candidate block classes: {candidate_blocks(model)}; "
-                f"blocks must be {_ALLOWED}"
+                f"{_argument(call)} must be {_ALLOWED}"
             )
         for name, module in matches:
             selected.setdefault(id(module), name)
@@ -485,7 +521,14 @@ def parse_blocks(blocks: Any, call: str | None = None) -> list[BlockSelector]:
     elif isinstance(blocks, Sequence) and len(blocks) > 0 and all(valid(b) and b != "auto" for b in blocks):
         return list(blocks)
     call = call or f"apply_checkpointing(blocks={blocks!r})"
-    raise ValueError(f"{call}: blocks must be {_ALLOWED}")
+    raise ValueError(f"{call}: {_argument(call)} must be {_ALLOWED}")
+
+
+def _argument(call: str) -> str:
+    """The argument the quoted ``call`` passed the selector as (``checkpoint`` in ``fabric_offload(checkpoint=3)``), so
+    that the message names the argument the user wrote; ``blocks`` where the call names none."""
+    named = re.match(r"\w+\((\w+)=", call)
+    return named.group(1) if named else "blocks"
 
 
 def _selector_text(selector: BlockSelector) -> str:

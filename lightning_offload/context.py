@@ -41,7 +41,7 @@ def offload_activations(
                 loss = model(x).sum()
             loss.backward()
             print(off.stats.offloaded_bytes)
-        off.close()  # the planner may have checkpointed some of ``model``'s blocks: this removes the wrappers
+        off.close()  # leave ``model`` as it was: the planner's (and ``checkpoint``'s) wrappers come off
 
     Args:
         mode, memory_budget, compute_device, min_tensor_bytes, resident_tail_bytes, max_offload_bytes,
@@ -77,16 +77,17 @@ def offload_activations(
             # Not silently replaced (by ``LOCAL_WORLD_SIZE`` for 0, by 1 below it): the count splits the host limit.
             raise ValueError(wrong)
         local_processes = int(local_processes)
-    from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
+    from lightning_offload.checkpointing import WrappedBlocks, check_recompute, select_blocks
 
     check_recompute(recompute, f"offload_activations(recompute={recompute!r})", checkpoint)
+    blocks = None
     if checkpoint is not None:
         if model is None:
             raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
         # Selected first, quoting this call (the user never called ``apply_checkpointing``); then wrapped.
         names = select_blocks(model, checkpoint, call=f"offload_activations(checkpoint={checkpoint!r})")
-        wrap_blocks(model, names, recompute)
+        blocks = WrappedBlocks(model, names, recompute)
         if options.plans:  # else ``create`` has said why the budget goes unused
             warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
-    return OffloadEngine(options, model=model, local_processes=local_processes)
+    return OffloadEngine(options, model=model, local_processes=local_processes, blocks=blocks)

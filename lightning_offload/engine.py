@@ -33,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, check_measuring_steps, close_step, plan_step, planner_for
+from lightning_offload.checkpointing import WrappedBlocks
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
@@ -62,6 +63,8 @@ class OffloadEngine:
         memory: the device's allocator counters for the memory-budget planner, or, without one, for emptying the
             cache after the first two optimizer steps (:class:`~lightning_offload.device_memory.SettledCache`);
             ``None``: CUDA's (without CUDA and without this, neither). Tests pass a fake.
+        blocks: the blocks the call that made this engine checkpointed (``checkpoint=``): :meth:`close` takes their
+            wrappers off, and installing again puts them back.
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class OffloadEngine:
         local_processes: int | None = None,
         streams: StreamBackend | None = None,
         memory: Any = None,
+        blocks: WrappedBlocks | None = None,
     ) -> None:
         self.options = options
+        self._blocks = blocks
         self.local_processes = local_processes
         self._model_ref = weakref.ref(model) if model is not None else None
         self._params = policy.ParameterStorages()
@@ -111,6 +116,8 @@ class OffloadEngine:
         if self._active:
             raise RuntimeError("offload_activations(): this engine is already active; enter it once at a time")
         self._end_forward()  # a forward that never got its backward ends here, and counts in its own step
+        if self._blocks is not None:
+            self._blocks.apply()  # taken off by close()
         if self._device is None:
             self._resolve_device()
             if self.planner is not None and self._first_input is not None:
@@ -163,10 +170,13 @@ class OffloadEngine:
             self._outbound.retire()  # finished copies let go of their sources now, not at the next step
 
     def close(self) -> None:
-        """Leave the model as it was: remove the hooks and the blocks the memory-budget planner checkpointed.
+        """Leave the model as it was: remove the hooks and the blocks checkpointed by the memory-budget planner or by
+        the call that made this engine (``checkpoint=``).
 
-        Installing the engine again later applies its plan again."""
+        Installing the engine again later applies its plan (and that checkpointing) again."""
         self.uninstall()
+        if self._blocks is not None:
+            self._blocks.remove()
         if self.planner is not None:
             self.planner.remove()
         if self._settling is not None:

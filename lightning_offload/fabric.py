@@ -94,7 +94,7 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         options["compute_device"] = device
     elif device.type == "cuda":
         _check_fabric_device(options["compute_device"], device)
-    from lightning_offload.checkpointing import check_recompute, select_blocks, wrap_blocks
+    from lightning_offload.checkpointing import WrappedBlocks, check_recompute, select_blocks
 
     checkpoint, recompute = options.pop("checkpoint", None), options.pop("recompute", "all")
     check_recompute(recompute, f"fabric_offload(recompute={recompute!r})", checkpoint)
@@ -111,10 +111,9 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
             warn_unused_budget("fabric_offload", options.get("memory_budget"), f"checkpoint={checkpoint!r}")
         # Checkpointing by hand: the user decides, as with ``offload_activations``.
         engine_options = dataclasses.replace(engine_options, memory_budget=None)
-    engine = OffloadEngine(engine_options, model=model, local_processes=local_processes(fabric))
-    if names:
-        wrap_blocks(module, names, recompute)  # selected (and the options checked) above: nothing left to fail
-    return engine
+    # Selected (and the options checked) above: nothing left to fail once the blocks are wrapped.
+    blocks = WrappedBlocks(module, names, recompute) if names else None
+    return OffloadEngine(engine_options, model=model, local_processes=local_processes(fabric), blocks=blocks)
 
 
 def local_processes(fabric: Any) -> int:

@@ -201,7 +201,7 @@ def test_select_blocks_names_the_call_and_changes_nothing(toy: Toy) -> None:
     assert checkpointed_modules(toy) == []
     with pytest.raises(ValueError, match=r"^Caller\(checkpoint='Nope'\): 'Nope' matches no module"):
         select_blocks(toy, "Nope", call="Caller(checkpoint='Nope')")
-    with pytest.raises(ValueError, match=r"^Caller\(checkpoint=3\): blocks must be"):
+    with pytest.raises(ValueError, match=r"^Caller\(checkpoint=3\): checkpoint must be"):
         parse_blocks(3, call="Caller(checkpoint=3)")
 
 

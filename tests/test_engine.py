@@ -837,6 +837,43 @@ def test_checkpoint_model_grads(mode: str) -> None:
     assert engine.stats.offloaded_bytes == 4 * 8 * 32 * 4
 
 
+def test_close_takes_off_the_checkpointing_its_call_applied_and_a_later_step_puts_it_back() -> None:
+    """``offload_activations(checkpoint=...)`` wraps the model's blocks; ``close()`` leaves the model as it was (a
+    block the user checkpointed before stays checkpointed), and entering the engine again checkpoints them again: the
+    second step offloads only the blocks' inputs again, with the gradients of the model without the engine."""
+    from lightning_offload import apply_checkpointing
+    from lightning_offload.checkpointing import checkpointed_modules
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Blocks()
+    apply_checkpointing(model, ["layers.2"])  # the user's own
+    batch = torch.randn(64, 32)
+    expected = train_step(model, batch)
+    engine = offload_activations(mode="sync", compute_device="cpu", model=model, checkpoint="auto", min_tensor_bytes=1)
+    assert checkpointed_modules(model) == ["layers.0", "layers.1", "layers.2"]
+    assert_same_grads(train_step(model, batch, engine), expected)
+    offloaded = engine.stats.offloaded_bytes
+    engine.close()
+    assert checkpointed_modules(model) == ["layers.2"]
+    assert_same_grads(train_step(model, batch, engine), expected)
+    assert checkpointed_modules(model) == ["layers.0", "layers.1", "layers.2"]
+    assert engine.stats.offloaded_bytes == offloaded
+    engine.close()
+    assert checkpointed_modules(model) == ["layers.2"]
+
+
 # ---------------------------------------------------------------------------------------- tensors saved during backward
 
 

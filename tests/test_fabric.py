@@ -136,6 +136,8 @@ def test_checkpoint_applies_to_the_module_fabric_wrapped(tmp_path: Path) -> None
     assert off.stats.offloaded_bytes > 0
     for (name, want), got in zip(reference.named_parameters(), module.parameters(), strict=True):
         assert torch.equal(got.grad, want.grad), name
+    off.close()  # the model as it was
+    assert checkpointed_modules(module) == []
 
 
 def test_fabric_recompute_applies_to_the_checkpointed_blocks_and_needs_checkpoint() -> None:
@@ -184,7 +186,7 @@ def test_checkpoint_by_hand_switches_the_planner_off_as_in_offload_activations()
         ({"compute_device": "tpu"}, ValueError, "fabric_offload(compute_device='tpu'): expected"),
         ({"prefetch": 1}, TypeError, "fabric_offload() got unexpected argument(s) ['prefetch']; allowed:"),
         ({"checkpoint": "Nope"}, ValueError, "fabric_offload(checkpoint='Nope'): 'Nope' matches no module"),
-        ({"checkpoint": 3}, ValueError, "fabric_offload(checkpoint=3): blocks must be"),
+        ({"checkpoint": 3}, ValueError, "fabric_offload(checkpoint=3): checkpoint must be"),
     ],
 )
 def test_fabric_offload_errors_quote_fabric_offload_and_wrap_nothing(

@@ -249,7 +249,7 @@ def test_a_selector_that_matches_nothing_quotes_offload_activations() -> None:
     with pytest.raises(ValueError) as info:
         offload_activations(model=model, checkpoint=["Linear", "Block"])
     assert str(info.value).startswith("offload_activations(checkpoint=['Linear', 'Block']): 'Block' matches no")
-    with pytest.raises(ValueError, match=r"^offload_activations\(checkpoint=3\): blocks must be"):
+    with pytest.raises(ValueError, match=r"^offload_activations\(checkpoint=3\): checkpoint must be"):
         offload_activations(model=model, checkpoint=3)
     assert checkpointed_modules(model) == []
 
