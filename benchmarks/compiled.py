@@ -6,8 +6,9 @@ one as it is saved. Compiling each decoder layer on its own (``layer.compile()``
 end. This runs the small-vocab capacity model (activations dominate) three ways: ``eager``, ``whole``
 (``model.compile()``) and ``blocks`` (every decoder layer compiled), each without the engine and with it offloading
 everything eligible (``memory_budget=None``), then under a budget of ``BUDGET_SHARE`` of eager's peak (the planner).
-Per arm: peak allocated GiB, median step seconds, GiB offloaded; per compile mode: whether the gradients with the
-engine equal those without, bit for bit (same weights, same batch). One process::
+Per arm: peak allocated GiB, median step seconds, GiB offloaded (a budget arm: the engine's warnings, or its error);
+per compile mode: whether the gradients with the engine equal those without, bit for bit (same weights, same batch,
+deterministic kernels, and whether two runs without it agree). One process::
 
     python -m benchmarks.compiled out.json [layers seq]
     DEVICE=cpu python -m benchmarks.compiled out.json 2 256   # the loop on the CPU (aot_eager; no memory counters)
@@ -22,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,11 +91,30 @@ def _run(bench: BenchModel, ids: torch.Tensor, engine: Any, device: torch.device
     }
 
 
+def _equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic kernels (no atomics in embedding or attention backward, math attention), for the gradient
+    comparisons only: the timed arms run the default kernels (flash attention), as training does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def main(argv: list[str]) -> int:
     out = argv[0]
     layers, seq = (int(v) for v in argv[1:3]) if len(argv) > 2 else (8, 8192)
     device = torch.device(os.environ.get("DEVICE", "cuda"))
     backend = "inductor" if device.type == "cuda" else "aot_eager"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (read as cuBLAS starts: deterministic products)
     workload = dataclasses.replace(CAPACITY_MODELS["smallvocab-h1024"], layers=layers, seq=seq)
     torch.manual_seed(0)
     bench = build(workload, device)
@@ -104,26 +126,35 @@ def main(argv: list[str]) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for how in ("eager", "whole", "blocks"):
         _compile(bench, how, backend)
-        start = time.perf_counter()
-        without = _grads(bench, ids, None)  # (compiles, where it does)
-        compile_s = time.perf_counter() - start
         engine = offload_activations(model=bench.module, **offload)
-        with_engine = _grads(bench, ids, engine)
-        equal = len(without) == len(with_engine) and all(
-            torch.equal(a, b) for a, b in zip(without, with_engine, strict=True)
-        )
+        with _deterministic():
+            without = _grads(bench, ids, None)  # (compiles, where it does)
+            repeatable = _equal(without, _grads(bench, ids, None))  # else no comparison below can hold
+            equal = _equal(without, _grads(bench, ids, engine))
+        start = time.perf_counter()
+        _grads(bench, ids, None)  # (compiles with the default kernels)
+        compile_s = time.perf_counter() - start
         arms = {"none": _run(bench, ids, None, device), "offload": _run(bench, ids, engine, device)}
         engine.close()
         if device.type == "cuda":
             budget = int(BUDGET_SHARE * results["arms"].get("eager", arms)["none"]["peak_gib"] * GiB)
             planned = offload_activations(model=bench.module, memory_budget=budget, plan_trials=False)
-            arms["budget"] = {**_run(bench, ids, planned, device), "budget_gib": budget / GiB}
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                try:
+                    arms["budget"] = {**_run(bench, ids, planned, device), "budget_gib": budget / GiB}
+                except Exception as error:
+                    arms["budget"] = {"error": repr(error)[:500], "budget_gib": budget / GiB}
+            arms["budget"]["warnings"] = [str(w.message)[:300] for w in said if "memory_budget" in str(w.message)]
             planned.close()
-        results["arms"][how] = {**arms, "grads_equal": equal, "first_step_s": compile_s}
+        results["arms"][how] = {**arms, "grads_equal": equal, "reference_repeatable": repeatable, "first_s": compile_s}
         for arm, row in arms.items():
+            if "error" in row:
+                print(f"COMPILED {how:6s} {arm:8s} {row['error']}", flush=True)
+                continue
             print(
                 f"COMPILED {how:6s} {arm:8s} peak {row['peak_gib']:7.2f} GiB  step {row['median_s'] * 1000:8.1f} ms  "
-                f"offloaded {row['offloaded_gib']:6.2f} GiB  grads_equal {equal}",
+                f"offloaded {row['offloaded_gib']:6.2f} GiB  grads_equal {equal} (repeatable {repeatable})",
                 flush=True,
             )
         if device.type == "cuda":

@@ -22,10 +22,11 @@ Torch only: no Lightning import, so plain training loops can use it as a context
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
 from lightning_offload.outbound import OutboundQueue
+from lightning_offload.planned_blocks import compiled_modules
 from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
@@ -144,7 +146,7 @@ class OffloadEngine:
                 self.planner.cache_emptied()
         self.refresh_parameters()
         self._outbound.planned_limit = plan_limit  # type: ignore[union-attr]
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_run_eagerly(self._pack), _run_eagerly(self._unpack))
         hooks.__enter__()
         self._hooks = hooks
         self._active = True
@@ -241,6 +243,9 @@ class OffloadEngine:
             self.planner.abandon_step()  # learn nothing from a step that raised
 
     def _resolve_device(self) -> None:
+        model = self._model_ref() if self._model_ref is not None else None
+        if self.options.plans and model is not None:
+            self._unplanned_if_compiled(model)  # (before the options shape the transfer and the queues)
         device = self.options.resolved_device() or _no_device()
         self._device = device
         self._pool = PoolAccount(pool_for(device))  # the process's pool, this engine's figures
@@ -251,11 +256,39 @@ class OffloadEngine:
             self._transfer = StreamedTransfer(streams, self.options.measure_copies)
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
-        model = self._model_ref() if self._model_ref is not None else None
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
         if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
             memory = self._memory if self._memory is not None else DeviceMemory(device)
             self._settling = SettledCache(memory, self.options.budget_bytes())
+
+    def _unplanned_if_compiled(self, model: torch.nn.Module) -> None:
+        """A model compiled with ``torch.compile`` cannot be planned (:func:`compiled_modules`): said in a warning, and
+        the engine runs without a planner. Under the default budget it offloads nothing (a model that fits pays
+        nothing); under a budget the user gave, it offloads everything eligible, the least memory it can reach
+        without planning."""
+        compiled = compiled_modules(model)
+        if not compiled:
+            return
+        shown = ", ".join(repr(name or type(model).__name__) for name in compiled[:3])
+        if len(compiled) > 3:
+            shown += f" and {len(compiled) - 3} more"
+        budget = self.options.memory_budget
+        auto = budget == "auto"
+        said = "'auto'" if auto else f"{budget / (1 << 30):.2f} GiB"  # type: ignore[operator]
+        warnings.warn(
+            f"memory_budget={said}: the model is compiled (torch.compile: {shown}), and the "
+            "planner cannot watch or checkpoint the blocks of a compiled model (hooks added after compiling may never "
+            "run). "
+            + (
+                "Nothing is offloaded. "
+                if auto
+                else "Every eligible activation is offloaded instead, which may not keep the step within the budget. "
+            )
+            + "To offload without planning, pass memory_budget=None (with checkpoint='auto' to checkpoint the blocks); "
+            "to plan, leave the model uncompiled.",
+            stacklevel=4,
+        )
+        self.options = dataclasses.replace(self.options, memory_budget=None, **({"mode": "off"} if auto else {}))
 
     def _offloading_starts(self) -> bool:
         """Offloading's frees would fragment fixed segments of reserved memory: switch to expandable ones when copies
@@ -456,6 +489,14 @@ def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     the garbage collector never frees. The version check is autograd's own, which hooks switch off.
     """
     return tensor.detach(), tensor._version
+
+
+def _run_eagerly(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``hook`` never traced by ``torch.compile``. Called by autograd from inside a compiled module's frames, a hook
+    would otherwise be compiled as a frame of its own (graph breaks, guards on the engine's state, objects made while
+    tracing), where it is bookkeeping in Python that must run as written, once per saved tensor."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook
 
 
 def _no_device() -> torch.device:

@@ -14,6 +14,7 @@ Torch only: no Lightning import.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Container
 from dataclasses import dataclass
@@ -299,6 +300,22 @@ class PlannedBlocks:
         if self._clock is None or len(times) < 2 or len(times) != len(self._times):
             return 0.0
         return self._clock.compute_ms_between(times[0], times[-1])
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """The qualified names of the modules of ``model`` compiled with ``torch.compile`` (``module.compile()``, or a
+    compiled module held as a child). A compiled module runs the graph traced when it was compiled: hooks and
+    checkpointing added to its modules later may go unseen (on a CPU, forward hooks added to the blocks of a model
+    compiled whole were never called), so a planner that watches and wraps blocks cannot plan it."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was ever compiled in this process
+        return []
+    optimized = getattr(eval_frame, "OptimizedModule", ())
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None
+    ]
 
 
 def _first_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -972,6 +972,53 @@ def test_compiled_module_inductor() -> None:
     _check_compiled("inductor")
 
 
+@pytest.mark.parametrize(("budget", "said"), [("auto", "'auto'"), ("1GiB", "1.00 GiB")])
+@pytest.mark.parametrize("how", ["whole", "blocks"])
+def test_a_compiled_model_is_not_planned_and_the_warning_says_what_runs_instead(
+    budget: str, said: str, how: str
+) -> None:
+    """The memory-budget planner watches and checkpoints a model's blocks with hooks and wrappers that a compiled
+    module may never run: for a model compiled whole or block by block, the engine warns and runs unplanned. Under the
+    default budget it offloads nothing; under a budget given, everything eligible; the gradients are the compiled
+    model's without the engine."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)))
+    for module in [model] if how == "whole" else list(model):
+        module.compile(backend="aot_eager")
+    x = torch.randn(64, 32)
+    try:
+        expected = _compiled_grads(model, model, x, None)
+        engine = offload_activations(
+            compute_device="cpu", model=model, memory_budget=budget, min_tensor_bytes=0, resident_tail_bytes=0
+        )
+        with pytest.warns(UserWarning, match=rf"memory_budget={said}: the model is compiled \(torch.compile: "):
+            got = _compiled_grads(model, model, x, engine)
+        assert_same_grads(got, expected)
+        assert engine.planner is None and engine.options.memory_budget is None
+        if budget == "auto":
+            assert engine.options.mode == "off" and engine.stats.offloaded_bytes == 0
+        else:
+            assert engine.options.mode == "streamed" and engine.stats.offloaded_bytes > 0
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            assert_same_grads(_compiled_grads(model, model, x, engine), expected)
+        assert not [w for w in later if "the model is compiled" in str(w.message)]  # said once
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_model_never_compiled_is_planned_as_before() -> None:
+    from lightning_offload.planned_blocks import compiled_modules
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert compiled_modules(model) == []
+    model.compile(backend="eager")
+    assert compiled_modules(model) == [""]
+    holder = nn.Sequential(torch.compile(nn.Linear(2, 2), backend="eager"))
+    assert compiled_modules(holder) == ["0"]
+
+
 # ------------------------------------------------------------------------------------------------- host memory runs out
 
 
