@@ -41,7 +41,7 @@ from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.planned_blocks import compiled_modules
+from lightning_offload.planned_blocks import compiled_across_blocks, compiled_modules
 from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
@@ -246,6 +246,8 @@ class OffloadEngine:
         model = self._model_ref() if self._model_ref is not None else None
         if self.options.plans and model is not None:
             self._unplanned_if_compiled(model)  # (before the options shape the transfer and the queues)
+        if self.options.mode != "off" and model is not None:
+            _warn_if_compiled_across_blocks(model)
         device = self.options.resolved_device() or _no_device()
         self._device = device
         self._pool = PoolAccount(pool_for(device))  # the process's pool, this engine's figures
@@ -489,6 +491,22 @@ def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     the garbage collector never frees. The version check is autograd's own, which hooks switch off.
     """
     return tensor.detach(), tensor._version
+
+
+def _warn_if_compiled_across_blocks(model: torch.nn.Module) -> None:
+    """Say that offloading can hardly lower the peak of a model compiled whole (:func:`compiled_across_blocks`)."""
+    across = compiled_across_blocks(model)
+    if not across:
+        return
+    shown = ", ".join(repr(name or type(model).__name__) for name in across[:3])
+    warnings.warn(
+        f"offload_activations: {shown} is compiled (torch.compile) across several blocks: a compiled graph hands "
+        "autograd its saved tensors only as it returns, so every activation of its blocks is on the device at its "
+        "end whatever is offloaded after, and offloading can hardly lower the peak (on an H200, 0.06 GiB lower with "
+        "1.8 GiB offloaded per step). Compile each block instead (for layer in model.layers: layer.compile()): "
+        "the activations then leave block by block.",
+        stacklevel=5,
+    )
 
 
 def _run_eagerly(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

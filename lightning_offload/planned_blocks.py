@@ -318,6 +318,24 @@ def compiled_modules(model: nn.Module) -> list[str]:
     ]
 
 
+def compiled_across_blocks(model: nn.Module) -> list[str]:
+    """The compiled modules of ``model`` (:func:`compiled_modules`) that hold two or more of its repeated blocks (the
+    model itself, compiled whole; no blocks found: any compiled module that is the model). A compiled graph hands
+    autograd what it saved only as it returns, and takes it all back as its backward begins: the activations of the
+    blocks inside one graph are all on the device at its end, whatever is offloaded after."""
+    compiled = compiled_modules(model)
+    if not compiled:
+        return []
+    blocks = [name for name, _ in _blocks_of(model)]
+    if not blocks:
+        return [name for name in compiled if name == ""]
+
+    def holds(outer: str, name: str) -> bool:
+        return outer == "" or name.startswith(outer + ".")
+
+    return [outer for outer in compiled if sum(holds(outer, name) for name in blocks) >= 2]
+
+
 def _first_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """A block's input: its first positional argument, or, called with keywords only (``hidden_states=...``), the
     first keyword tensor that needs a gradient (an activation, not a mask or a rotary table)."""

@@ -1008,6 +1008,49 @@ def test_a_compiled_model_is_not_planned_and_the_warning_says_what_runs_instead(
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("how", ["whole", "child", "blocks"])
+def test_offloading_a_model_compiled_across_its_blocks_warns_that_it_can_hardly_lower_the_peak(how: str) -> None:
+    """A graph compiled over several blocks hands its saved tensors over only as it returns: offloading them cannot
+    lower the peak inside it, and the engine says so (once), naming the compiled module; blocks compiled one by one
+    are offloaded block by block, without a warning."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.body:
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    model = nn.Sequential(Net())
+    if how == "whole":
+        model.compile(backend="eager")
+    elif how == "child":
+        model[0] = torch.compile(model[0], backend="eager")
+    else:
+        for layer in model[0].body:
+            layer.compile(backend="eager")
+    engine = offload_activations(compute_device="cpu", model=model, memory_budget=None)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with engine:
+                    model(torch.randn(4, 32)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    across = [str(w.message) for w in said if "across several blocks" in str(w.message)]
+    if how == "blocks":
+        assert across == []
+    else:
+        assert len(across) == 1
+        assert across[0].startswith("offload_activations: " + ("'Sequential'" if how == "whole" else "'0'"))
+        assert "Compile each block instead" in across[0]
+
+
 def test_a_model_never_compiled_is_planned_as_before() -> None:
     from lightning_offload.planned_blocks import compiled_modules
 
