@@ -500,7 +500,7 @@ def _warn_if_compiled_across_blocks(model: torch.nn.Module) -> None:
         return
     shown = ", ".join(repr(name or type(model).__name__) for name in across[:3])
     warnings.warn(
-        f"offload_activations: {shown} is compiled (torch.compile) across several blocks: a compiled graph hands "
+        f"lightning_offload: {shown} is compiled (torch.compile) across several blocks: a compiled graph hands "
         "autograd its saved tensors only as it returns, so every activation of its blocks is on the device at its "
         "end whatever is offloaded after, and offloading can hardly lower the peak (on an H200, 0.06 GiB lower with "
         "1.8 GiB offloaded per step). Compile each block instead (for layer in model.layers: layer.compile()): "

@@ -303,19 +303,26 @@ class PlannedBlocks:
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
-    """The qualified names of the modules of ``model`` compiled with ``torch.compile`` (``module.compile()``, or a
-    compiled module held as a child). A compiled module runs the graph traced when it was compiled: hooks and
-    checkpointing added to its modules later may go unseen (on a CPU, forward hooks added to the blocks of a model
-    compiled whole were never called), so a planner that watches and wraps blocks cannot plan it."""
+    """The qualified names of the modules of ``model`` compiled with ``torch.compile`` (``module.compile()``, a compiled
+    module held as a child, or a compiled ``forward``). A compiled module runs the graph traced when it was compiled:
+    hooks and checkpointing added to its modules later may go unseen (on a CPU, forward hooks added to the blocks of a
+    model compiled whole were never called), so a planner that watches and wraps blocks cannot plan it."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:  # nothing was ever compiled in this process
         return []
     optimized = getattr(eval_frame, "OptimizedModule", ())
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None
-    ]
+
+    def compiled(module: nn.Module) -> bool:
+        # ``torch.compile(module)``, ``module.compile()``, or a compiled ``forward`` set on the instance (Lightning's
+        # ``Trainer.fit(torch.compile(module))`` runs the module with ``module.forward`` compiled so).
+        forward = module.__dict__.get("forward")
+        return (
+            isinstance(module, optimized)
+            or getattr(module, "_compiled_call_impl", None) is not None
+            or hasattr(forward, "_torchdynamo_orig_callable")
+        )
+
+    return [name for name, module in model.named_modules() if compiled(module)]
 
 
 def compiled_across_blocks(model: nn.Module) -> list[str]:

@@ -1828,3 +1828,24 @@ def test_a_row_written_late_before_the_first_logged_batch_holds_that_batch_figur
     assert sorted(rows) == [2]
     assert float(rows[2]["offload/offloaded_gib"]) == pytest.approx(seen[2])
     assert seen[2] > seen[0]
+
+
+def test_a_compiled_module_under_the_default_budget_is_not_planned_offloads_nothing_and_trains_as_without(
+    tmp_path: Path,
+) -> None:
+    """A module whose network is compiled (``torch.compile``) cannot be planned: under the default budget the callback
+    warns, offloads nothing, and the fit's gradients are those of the same fit without the callback."""
+    torch._dynamo.reset()
+    try:
+        callback = offload_callback()
+        module = LitNet(BlockStack, offload=callback)
+        module.net.compile(backend="eager")
+        with pytest.warns(UserWarning, match=r"memory_budget='auto': the model is compiled .*Nothing is offloaded"):
+            fit(tmp_path / "offload", module, batches(2), [callback])
+        plain = LitNet(BlockStack)
+        plain.net.compile(backend="eager")
+        fit(tmp_path / "plain", plain, batches(2))
+    finally:
+        torch._dynamo.reset()
+    assert [offloaded for _, offloaded in module.forward_log] == [0, 0]
+    assert_same_training(module, plain)

@@ -1047,7 +1047,7 @@ def test_offloading_a_model_compiled_across_its_blocks_warns_that_it_can_hardly_
         assert across == []
     else:
         assert len(across) == 1
-        assert across[0].startswith("offload_activations: " + ("'Sequential'" if how == "whole" else "'0'"))
+        assert across[0].startswith("lightning_offload: " + ("'Sequential'" if how == "whole" else "'0'"))
         assert "Compile each block instead" in across[0]
 
 
@@ -1060,6 +1060,10 @@ def test_a_model_never_compiled_is_planned_as_before() -> None:
     assert compiled_modules(model) == [""]
     holder = nn.Sequential(torch.compile(nn.Linear(2, 2), backend="eager"))
     assert compiled_modules(holder) == ["0"]
+    # As Lightning runs ``Trainer.fit(torch.compile(module))``: the instance's ``forward`` compiled.
+    lit = nn.Sequential(nn.Linear(2, 2))
+    lit.forward = torch.compile(lit.forward, backend="eager")  # type: ignore[method-assign]
+    assert compiled_modules(lit) == [""]
 
 
 # ------------------------------------------------------------------------------------------------- host memory runs out
