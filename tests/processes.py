@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,16 @@ def kill(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def run_on_cpu(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m module args...`` from the repository root with ``DEVICE=cpu`` (a benchmark's loop on the CPU),
+    its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "DEVICE": "cpu"},
+    )

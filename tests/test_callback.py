@@ -1665,6 +1665,20 @@ def test_lengths_that_change_and_come_back_train_as_without_the_callback_under_p
     assert_clean(callback)
 
 
+class StopAtStep(pl.Callback):
+    """Listed after the offload callback: notes each batch's offloaded GiB by step, and stops training as
+    ``global_step`` reaches ``step``, after the callback's own hook (as ``Trainer(max_time=...)``'s timer does)."""
+
+    def __init__(self, offload: ActivationOffloadCallback, step: int) -> None:
+        self.offload, self.step = offload, step
+        self.seen: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seen[trainer.global_step - 1] = self.offload.stats.offloaded_bytes / 2**30
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
 def test_a_row_lightning_writes_after_a_later_hook_stops_training_holds_that_batch_figures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1723,22 +1737,16 @@ def test_a_row_written_after_a_later_hook_stops_training_early_in_an_epoch_holds
 ) -> None:
     """Lightning clears what each key holds as an epoch ends; a later hook stopping training at the next epoch's first
     batch, which the logger would not write, still gets that batch's figures in its row."""
-    seen: dict[int, float] = {}
-
-    class StopAfter(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
-            if trainer.global_step == 5:  # the second epoch's first batch
-                trainer.should_stop = True
-
     callback = offload_callback()
+    stop = StopAtStep(callback, 5)  # the second epoch's first batch
+    seen = stop.seen
     data = [torch.randn(BATCH * size, WIDTH) for size in (1, 1, 1, 1)]
     data[0] = torch.randn(BATCH * 3, WIDTH)  # each epoch's first batch offloads more than the others
     fit(
         tmp_path,
         LitNet(offload=callback),
         data,
-        [callback, StopAfter()],
+        [callback, stop],
         max_steps=-1,
         max_epochs=3,
         log_every_n_steps=3,
@@ -1753,21 +1761,15 @@ def test_logged_figures_keep_their_precision_under_a_half_default_dtype(tmp_path
     """With ``torch.set_default_dtype(torch.bfloat16)`` (a model built in bf16), Lightning stores a logged float as
     float32 at least; a figure handed to it as a tensor of the default dtype would be rounded to bf16's three digits,
     in a logged row and in a late row alike (a later hook stops training at a batch the logger would not write)."""
-    seen: dict[int, float] = {}
-
-    class StopAfter(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
-            if trainer.global_step == 5:
-                trainer.should_stop = True
-
     callback = offload_callback()
+    stop = StopAtStep(callback, 5)
+    seen = stop.seen
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         module = LitNet(offload=callback)
         data = [torch.randn(BATCH * 3, WIDTH) for _ in range(6)]
-        fit(tmp_path, module, data, [callback, StopAfter()], max_steps=6, log_every_n_steps=3)
+        fit(tmp_path, module, data, [callback, stop], max_steps=6, log_every_n_steps=3)
     finally:
         torch.set_default_dtype(default)
     rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
@@ -1813,17 +1815,11 @@ def test_copy_timings_are_left_out_of_a_row_written_because_training_stopped_dur
 def test_a_row_written_late_before_the_first_logged_batch_holds_that_batch_figures(tmp_path: Path) -> None:
     """A later hook stopping training before the logger wrote any batch (``log_every_n_steps`` not reached yet, as
     ``Trainer(max_time=...)`` may) makes Lightning write that batch's row: it holds the batch's figures, not none."""
-    seen: dict[int, float] = {}
-
-    class StopAfter(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            seen[trainer.global_step - 1] = callback.stats.offloaded_bytes / 2**30
-            if trainer.global_step == 3:
-                trainer.should_stop = True
-
     callback = offload_callback()
+    stop = StopAtStep(callback, 3)
+    seen = stop.seen
     data = [torch.randn(BATCH * size, WIDTH) for size in (1, 1, 3, 1)]  # the stopped batch offloads the most
-    fit(tmp_path, LitNet(offload=callback), data, [callback, StopAfter()], max_steps=-1, log_every_n_steps=10)
+    fit(tmp_path, LitNet(offload=callback), data, [callback, stop], max_steps=-1, log_every_n_steps=10)
     rows = {int(row["step"]): row for row in metrics_rows(tmp_path) if row.get("offload/host_pinned_gib")}
     assert sorted(rows) == [2]
     assert float(rows[2]["offload/offloaded_gib"]) == pytest.approx(seen[2])

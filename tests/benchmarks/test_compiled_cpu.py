@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import run_on_cpu
 
 
 def test_each_compile_mode_offloads_with_the_gradients_it_gives_without(tmp_path: Path) -> None:
     out = tmp_path / "compiled.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compiled", str(out), "1", "512"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "DEVICE": "cpu"},
-    )
+    done = run_on_cpu("benchmarks.compiled", str(out), "1", "512", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["backend"] == "aot_eager"

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import run_on_cpu
 
 
 def test_every_arm_runs_its_lengths_and_reports_each_steps_figures(tmp_path: Path) -> None:
     out = tmp_path / "dyn.json"
     arms = "none,input_changed,fixed"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dynamic_lengths", str(out), arms, "6", "64", "128", "32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "DEVICE": "cpu"},
-    )
+    done = run_on_cpu("benchmarks.dynamic_lengths", str(out), arms, "6", "64", "128", "32")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     drawn = results["lengths"]
