@@ -286,8 +286,8 @@ class OffloadEngine:
                 if auto
                 else "Every eligible activation is offloaded instead, which may not keep the step within the budget. "
             )
-            + "To offload without planning, pass memory_budget=None (with checkpoint='auto' to checkpoint the blocks); "
-            "to plan, leave the model uncompiled.",
+            + "To offload without planning, pass memory_budget=None (with checkpoint='auto' to checkpoint the blocks) "
+            "and compile each block rather than the whole model; to plan, leave the model uncompiled.",
             stacklevel=4,
         )
         self.options = dataclasses.replace(self.options, memory_budget=None, **({"mode": "off"} if auto else {}))
