@@ -29,10 +29,15 @@ class TokenModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _fit(tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulate: int) -> TokenModule:
+def _fit(
+    tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulate: int, compiled: bool = False
+) -> TokenModule:
     torch.manual_seed(0)
     data = torch.randint(0, 4096, (8, 4, 1024))
     module = TokenModule()
+    if compiled:  # each block on its own, as the README advises
+        for block in module.net.blocks:
+            block.compile()
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
@@ -160,3 +165,22 @@ def test_logged_figures_are_host_scalars_so_reading_them_never_waits_for_the_dev
     ours = {key: value for key, value in trainer.callback_metrics.items() if key in reporting._STEP_KEYS}
     assert "offload/peak_allocated_gib" in ours and "offload/plan_peak_gib" in ours, sorted(ours)
     assert {key: value.device.type for key, value in ours.items()} == dict.fromkeys(ours, "cpu")
+
+
+def test_blocks_compiled_one_by_one_train_as_without_the_callback_and_are_offloaded(tmp_path: Path) -> None:
+    """A module whose blocks are compiled (inductor) one by one: offloading everything eligible gives the parameters
+    of the same fit without the callback, bit for bit; under the default budget the callback warns that it cannot
+    plan a compiled model, offloads nothing, and trains the same."""
+    torch._dynamo.reset()
+    try:
+        plain = _fit(tmp_path / "plain", [], "bf16-mixed", accumulate=1, compiled=True)
+        everything = ActivationOffloadCallback(min_tensor_bytes=0, resident_tail_bytes=0, memory_budget=None)
+        offloaded = _fit(tmp_path / "off", [everything], "bf16-mixed", accumulate=1, compiled=True)
+        default = ActivationOffloadCallback()
+        with pytest.warns(UserWarning, match=r"memory_budget='auto': the model is compiled"):
+            unplanned = _fit(tmp_path / "default", [default], "bf16-mixed", accumulate=1, compiled=True)
+    finally:
+        torch._dynamo.reset()
+    assert everything.stats.offloaded_bytes > 0 and default.stats.offloaded_bytes == 0
+    for a, b, c in zip(plain.parameters(), offloaded.parameters(), unplanned.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
