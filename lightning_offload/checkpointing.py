@@ -364,16 +364,29 @@ class WrappedBlocks:
     taken off as its engine closes (the model left as it was) and put back if the engine is used again.
 
     Wraps ``names`` of ``model`` at once (:func:`wrap_blocks`; a block already wrapped switches to ``recompute``). Only
-    the blocks it wrapped itself are taken off: one the user had checkpointed before stays checkpointed.
+    the blocks it wrapped itself are taken off: one the user had checkpointed before stays checkpointed, with its own
+    ``recompute`` back. Which blocks are the user's is looked at each time they are wrapped (a block the user
+    checkpointed after the engine closed is theirs too).
     """
 
     def __init__(self, model: nn.Module, names: Iterable[str], recompute: str) -> None:
         self.names = list(names)
-        modules = dict(model.named_modules())
-        self._own = [name for name in self.names if name in modules and not is_checkpointed(modules[name])]
         self._model = weakref.ref(model)
         self._recompute = recompute
-        wrap_blocks(model, self.names, recompute)
+        self._own: list[str] = []  # wrapped here: taken off by remove()
+        self._theirs: dict[str, str] = {}  # wrapped by the user before: their recompute, put back by remove()
+        self.applied = False
+        self._wrap(model)
+
+    def _wrap(self, model: nn.Module) -> None:
+        modules = dict(model.named_modules())
+        present = [name for name in self.names if name in modules]
+        wrappers = {name: modules[name].__dict__.get("forward") for name in present}
+        self._theirs = {
+            name: wrapper.recompute for name, wrapper in wrappers.items() if isinstance(wrapper, _CheckpointedForward)
+        }
+        self._own = [name for name in present if name not in self._theirs]
+        wrap_blocks(model, present, self._recompute)
         self.applied = True
 
     def apply(self) -> None:
@@ -381,15 +394,19 @@ class WrappedBlocks:
         model = self._model()
         if self.applied or model is None:
             return
-        wrap_blocks(model, self._own, self._recompute)
-        self.applied = True
+        self._wrap(model)
 
     def remove(self) -> None:
-        """Take off the wrappers this call put on."""
+        """Take off the wrappers this call put on, and give the user's blocks their own ``recompute`` back."""
         model = self._model()
         if not self.applied or model is None:
             return
         remove_checkpointing(model, self._own)
+        modules = dict(model.named_modules())
+        for name, recompute in self._theirs.items():
+            wrapper = modules[name].__dict__.get("forward") if name in modules else None
+            if isinstance(wrapper, _CheckpointedForward):
+                wrapper.recompute = recompute
         self.applied = False
 
 

@@ -874,6 +874,57 @@ def test_close_takes_off_the_checkpointing_its_call_applied_and_a_later_step_put
     assert checkpointed_modules(model) == ["layers.2"]
 
 
+class _ThreeBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_close_gives_a_block_the_user_checkpointed_its_own_recompute_back() -> None:
+    """``checkpoint=..., recompute="elementwise"`` switches a block the user checkpointed with ``recompute="all"`` to
+    elementwise recompute while the engine is in use; ``close()`` leaves the model as it was: that block recomputes
+    everything again (and entering the engine again switches it again)."""
+    from lightning_offload import apply_checkpointing
+
+    model = _ThreeBlocks()
+    apply_checkpointing(model, ["layers.2"])  # the user's own, recompute="all"
+    engine = offload_activations(
+        mode="sync", compute_device="cpu", model=model, checkpoint="auto", recompute="elementwise"
+    )
+    assert model.layers[2].forward.recompute == "elementwise"
+    engine.close()
+    assert model.layers[2].forward.recompute == "all"
+    with engine:
+        model(torch.randn(4, 32)).backward()
+    assert [layer.forward.recompute for layer in model.layers] == ["elementwise"] * 3
+    engine.close()
+    assert model.layers[2].forward.recompute == "all"
+
+
+def test_close_keeps_the_checkpointing_the_user_applied_after_an_earlier_close() -> None:
+    """Blocks the user checkpoints after ``close()`` are theirs: entering the engine again and closing it once more
+    leaves them checkpointed, as the user left them."""
+    from lightning_offload import apply_checkpointing
+    from lightning_offload.checkpointing import checkpointed_modules
+
+    model = _ThreeBlocks()
+    engine = offload_activations(mode="sync", compute_device="cpu", model=model, checkpoint="auto")
+    engine.close()
+    assert checkpointed_modules(model) == []
+    apply_checkpointing(model, ["layers.0"])  # now the user's
+    with engine:
+        model(torch.randn(4, 32)).backward()
+    assert checkpointed_modules(model) == ["layers.0", "layers.1", "layers.2"]
+    engine.close()
+    assert checkpointed_modules(model) == ["layers.0"]
+    assert model.layers[0].forward.recompute == "all"
+
+
 # ---------------------------------------------------------------------------------------- tensors saved during backward
 
 
