@@ -288,7 +288,7 @@ class OffloadEngine:
             )
             + "To offload without planning, pass memory_budget=None (with checkpoint='auto' to checkpoint the blocks) "
             "and compile each block rather than the whole model; to plan, leave the model uncompiled.",
-            stacklevel=4,
+            stacklevel=5,
         )
         self.options = dataclasses.replace(self.options, memory_budget=None, **({"mode": "off"} if auto else {}))
 

@@ -1059,6 +1059,24 @@ def test_a_compiled_model_is_not_planned_and_the_warning_says_what_runs_instead(
         torch._dynamo.reset()
 
 
+def test_the_compiled_model_warnings_point_at_the_line_that_entered_the_engine() -> None:
+    """Both warnings about a compiled model name the user's ``with`` line, not a line of the engine."""
+    torch._dynamo.reset()
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)))
+    model.compile(backend="eager")
+    try:
+        for budget, said in (("auto", "the model is compiled"), (None, "across several blocks")):
+            engine = offload_activations(compute_device="cpu", model=model, memory_budget=budget)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with engine:
+                    model(torch.randn(2, 8)).sum().backward()
+            (warning,) = [w for w in caught if said in str(w.message)]
+            assert warning.filename == __file__, said
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("how", ["whole", "child", "blocks"])
 def test_offloading_a_model_compiled_across_its_blocks_warns_that_it_can_hardly_lower_the_peak(how: str) -> None:
     """A graph compiled over several blocks hands its saved tensors over only as it returns: offloading them cannot
