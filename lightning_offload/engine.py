@@ -244,6 +244,8 @@ class OffloadEngine:
 
     def _resolve_device(self) -> None:
         model = self._model_ref() if self._model_ref is not None else None
+        # A budget the user gave bounds the room the cache is emptied for, also where it goes unplanned (compiled).
+        budget = self.options.budget_bytes()
         if self.options.plans and model is not None:
             self._unplanned_if_compiled(model)  # (before the options shape the transfer and the queues)
         if self.options.mode != "off" and model is not None:
@@ -261,7 +263,7 @@ class OffloadEngine:
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
         if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
             memory = self._memory if self._memory is not None else DeviceMemory(device)
-            self._settling = SettledCache(memory, self.options.budget_bytes())
+            self._settling = SettledCache(memory, budget)
 
     def _unplanned_if_compiled(self, model: torch.nn.Module) -> None:
         """A model compiled with ``torch.compile`` cannot be planned (:func:`compiled_modules`): said in a warning, and

@@ -3,6 +3,8 @@ counters faked (the GPU tests check the engine's on an H200)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -170,6 +172,39 @@ def test_an_engine_that_does_not_plan_empties_the_cache_after_its_first_optimize
         released.append(memory.releases)
     engine.close()
     assert released == expected
+
+
+def test_a_compiled_model_under_a_budget_given_empties_the_cache_only_where_the_budget_has_room() -> None:
+    """A compiled model is not planned, and under a budget the user gave it offloads without planning, as a manual
+    override does: that budget still bounds the room for a layout mapped afresh. 10 GiB peak, 13 GiB reserved, an
+    11 GiB budget: no room, the cache is left alone (with a 50 GiB budget it is emptied)."""
+    torch._dynamo.reset()
+    released = {}
+    try:
+        for budget in (11, 50):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+            model.compile(backend="eager")
+            sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+            memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
+            memory.allocated = lambda memory=memory: memory.allocated_bytes  # type: ignore[attr-defined, misc]
+            given = budget * GiB
+            options = OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, memory_budget=given)
+            engine = OffloadEngine(options, model=model, memory=memory)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    with engine:
+                        loss = model(torch.randn(8, 64)).sum()
+                    loss.backward()
+                    sgd.step()
+            engine.close()
+            assert engine.planner is None and any("the model is compiled" in str(w.message) for w in said)
+            released[budget] = memory.releases
+    finally:
+        torch._dynamo.reset()
+    assert released[11] == 0
+    assert released[50] > 0
 
 
 def test_a_closed_engine_stops_listening_to_optimizer_steps() -> None:
