@@ -29,6 +29,7 @@ from lightning_offload.options import (
     option_docs,
     warn_unused_budget,
 )
+from lightning_offload.planned_blocks import compiled_modules
 from lightning_offload.reporting import METRIC_DOCS, StepReporter
 from lightning_offload.stats import OffloadStats
 
@@ -180,7 +181,8 @@ class ActivationOffloadCallback(Callback):
             # optimization or LBFGS), and with mode="off" there is nothing to compare.
             whole = self.options.mode != "off" and self._leave_after_backward and trainer.accumulate_grad_batches == 1
             self._picture.on_fit_start(record=trainer.is_global_zero, compare_allowed=whole)
-        if self._engine is not None and self._engine.options.plans and pl_module.device.type == "cuda":
+        planned = self._engine is not None and self._engine.options.plans and not compiled_modules(pl_module)
+        if planned and pl_module.device.type == "cuda":  # (a compiled module is not planned: the engine says so)
             budget = self.options.memory_budget
             rank_zero_info(f"ActivationOffloadCallback: memory_budget={budget!r}; measuring the first batch to plan")
 
