@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -514,7 +515,11 @@ def _warn_if_compiled_across_blocks(model: torch.nn.Module) -> None:
 def _run_eagerly(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``hook`` never traced by ``torch.compile``. Called by autograd from inside a compiled module's frames, a hook
     would otherwise be compiled as a frame of its own (graph breaks, guards on the engine's state, objects made while
-    tracing), where it is bookkeeping in Python that must run as written, once per saved tensor."""
+    tracing), where it is bookkeeping in Python that must run as written, once per saved tensor. Left as it is while
+    nothing in the process imported dynamo (nothing is compiled then, and importing it takes about a second); the
+    hooks are made anew at every install, so a model compiled later gets them wrapped from its next step on."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
     return disable(hook) if disable is not None else hook
 
