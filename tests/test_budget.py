@@ -1437,6 +1437,23 @@ def test_max_offload_bytes_auto_is_retired_with_a_pointer_to_memory_budget() -> 
         offload_activations(max_offload_bytes="auto")
 
 
+def test_a_budget_given_on_a_cpu_is_said_to_go_unplanned() -> None:
+    """Without CUDA's allocator counters nothing can be planned: a budget the user gave is said to go unused (once, as
+    the engine first runs), and every eligible activation is offloaded; the default budget says nothing."""
+    model = Stack()
+    x = torch.randn(4, WIDTH)
+    engine = offload_activations(
+        compute_device="cpu", model=model, memory_budget="2GiB", min_tensor_bytes=0, resident_tail_bytes=0
+    )
+    with pytest.warns(UserWarning, match=r"memory_budget=2.00 GiB: planning needs CUDA's allocator counters.*'cpu'"):
+        run_steps(engine, model, x, 1)
+    assert engine.planner is None and engine.stats.offloaded_bytes > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_steps(engine, model, x, 1)  # said once
+        run_steps(offload_activations(compute_device="cpu", model=model), model, x, 1)  # the default: nothing said
+
+
 def test_planner_unit_without_engine() -> None:
     memory = FakeMemory(base=GiB, transient=0)
     planner = BudgetPlanner(None, memory)
