@@ -262,10 +262,10 @@ class OffloadEngine:
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
-        if self.planner is None and self.options.plans and self.options.budget_bytes() is not None:
+        if self.planner is None and self.options.plans and budget is not None:
             # (``"auto"`` is the default: on a CPU it says nothing about what the user wants)
             warnings.warn(
-                f"memory_budget={self.options.budget_bytes() / (1 << 30):.2f} GiB: planning needs CUDA's allocator "
+                f"memory_budget={budget / (1 << 30):.2f} GiB: planning needs CUDA's allocator "
                 f"counters, and the engine runs on {str(device)!r}: every eligible activation is offloaded instead",
                 stacklevel=5,
             )
@@ -281,9 +281,7 @@ class OffloadEngine:
         compiled = compiled_modules(model)
         if not compiled:
             return
-        shown = ", ".join(repr(name or type(model).__name__) for name in compiled[:3])
-        if len(compiled) > 3:
-            shown += f" and {len(compiled) - 3} more"
+        shown = _module_names(model, compiled)
         budget = self.options.memory_budget
         auto = budget == "auto"
         said = "'auto'" if auto else f"{budget / (1 << 30):.2f} GiB"  # type: ignore[operator]
@@ -508,7 +506,7 @@ def _warn_if_compiled_across_blocks(model: torch.nn.Module) -> None:
     across = compiled_across_blocks(model)
     if not across:
         return
-    shown = ", ".join(repr(name or type(model).__name__) for name in across[:3])
+    shown = _module_names(model, across)
     warnings.warn(
         f"lightning_offload: {shown} is compiled (torch.compile) across several blocks: a compiled graph hands "
         "autograd its saved tensors only as it returns, so every activation of its blocks is on the device at its "
@@ -517,6 +515,13 @@ def _warn_if_compiled_across_blocks(model: torch.nn.Module) -> None:
         "the activations then leave block by block.",
         stacklevel=5,
     )
+
+
+def _module_names(model: torch.nn.Module, names: list[str]) -> str:
+    """``names`` of modules of ``model`` for a message: the first three quoted (the model itself by its class), then
+    how many more."""
+    shown = ", ".join(repr(name or type(model).__name__) for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _run_eagerly(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

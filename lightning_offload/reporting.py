@@ -246,7 +246,7 @@ class StepReporter:
         # Until a batch was logged, Lightning holds no entry to hand figures to: the first batch not logged is logged
         # all the same (once; the logger does not write it), so a row written late before the first logged batch
         # (training stopped early by ``max_time``) holds that batch's figures instead of none.
-        if will_log or not any(True for _ in _held_entries(trainer)):
+        if will_log or next(_held_entries(trainer), None) is None:
             self._log(trainer, pl_module, figures)
         else:
             _hold_for_late_row(trainer, figures)
