@@ -32,7 +32,7 @@ __all__ = [
     "release_host_memory",
     "remove_checkpointing",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
