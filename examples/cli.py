@@ -3,7 +3,7 @@
 Examples::
 
     python examples/cli.py fit --config configs/demo_cpu.yaml               # a few steps on the CPU
-    python examples/cli.py fit --config my.yaml --config configs/offload.yaml   # your config plus offloading (GPU)
+    python examples/cli.py fit --config my.yaml --config "$(python -m lightning_offload.config --path)"  # + offloading
     python examples/cli.py fit --trainer.callbacks+=lightning_offload.ActivationOffloadCallback \\
         --trainer.callbacks.init_args.mode=sync --trainer.max_steps=20     # flags, no config file
     python examples/cli.py fit --trainer.callbacks.help lightning_offload.ActivationOffloadCallback   # its options

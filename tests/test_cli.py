@@ -25,12 +25,14 @@ from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 from lightning_offload import ActivationOffloadCallback, OffloadOptions
 from lightning_offload.cli import OffloadCLI
+from lightning_offload.config import fragment_path
 from lightning_offload.memory_picture import FILENAME
 from lightning_offload.metrics import HOST_PINNED, OFFLOADED
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-FRAGMENT = CONFIGS / "offload.yaml"
+# The fragment ships inside the package (package data), found the way a user finds it.
+FRAGMENT = fragment_path()
 CLASS_PATH = "lightning_offload.ActivationOffloadCallback"
 
 pytestmark = [
@@ -151,7 +153,9 @@ def test_offload_yaml_is_a_fragment_with_every_option_at_its_default() -> None:
     assert set(config) == {"trainer"} and set(config["trainer"]) == {"callbacks+"}, "the fragment sets only callbacks+"
     entry = config["trainer"]["callbacks+"]
     assert entry["class_path"] == CLASS_PATH
-    assert entry["init_args"] == DEFAULTS, "configs/offload.yaml is out of date: show every default of the callback"
+    assert entry["init_args"] == DEFAULTS, (
+        "lightning_offload/offload.yaml is out of date: show every default of the callback"
+    )
 
 
 # ------------------------------------------------------------------ pytorch_lightning.cli

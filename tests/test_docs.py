@@ -14,13 +14,14 @@ from lightning_offload import ActivationOffloadCallback, OffloadOptions, metrics
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
-CPU_TORCH = "pip install torch==2.13.0"
+# The CPU build of torch from PyTorch's own CPU wheel index, as PyTorch documents it: works on any machine.
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+USER_INSTALL = 'pip install "lightning-offload @ git+https://github.com/lightning-offload/lightning-offload"'
 INSTALL = 'pip install -e ".[test]"'
 RUN_EXAMPLE = "python examples/train_transformer.py"
-# Set up and run the main example: with CUDA (pip's default torch), and on the CPU (torch's CPU build pinned first).
-CUDA_SETUP_AND_RUN = f"{INSTALL} && {RUN_EXAMPLE}"
-CPU_SETUP_AND_RUN = f"{CPU_TORCH} && {INSTALL} && {RUN_EXAMPLE}"
 TEST_COMMAND = "python -m pytest -q"
+REPOSITORY = "https://github.com/lightning-offload/lightning-offload/blob/main/"
+RAW = "https://raw.githubusercontent.com/lightning-offload/lightning-offload/main/"
 
 
 def readme_code_lines() -> list[str]:
@@ -30,8 +31,10 @@ def readme_code_lines() -> list[str]:
 
 def test_readme_has_the_setup_and_test_commands() -> None:
     lines = readme_code_lines()
-    for command in (CUDA_SETUP_AND_RUN, CPU_SETUP_AND_RUN, TEST_COMMAND):
+    for command in (CPU_TORCH, USER_INSTALL, INSTALL, RUN_EXAMPLE, TEST_COMMAND):
         assert command in lines, f"README has no code line {command!r}"
+    assert lines.index(CPU_TORCH) < len(lines) - 1 - lines[::-1].index(USER_INSTALL), "torch's CPU build goes first"
+    assert "[test]" not in USER_INSTALL
     assert (ROOT / "examples" / "train_transformer.py").is_file()
 
 
@@ -41,8 +44,9 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "set -euo pipefail" in script
     commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert commands[-1] == TEST_COMMAND
-    # CI sets up exactly as the README's CPU line does.
-    assert commands.index(CPU_TORCH) < commands.index(INSTALL)
+    # CI installs torch's CPU build before the project, as the README's CPU lines do.
+    torch_lines = [i for i, command in enumerate(commands) if command.startswith("pip install torch")]
+    assert torch_lines and torch_lines[0] < commands.index(INSTALL)
     assert "ruff check ." in commands and "ruff format --check ." in commands
 
 
@@ -83,7 +87,7 @@ def test_no_document_claims_auto_offloading_is_free() -> None:
     texts = {
         "README.md": README,
         "the callback's docstring": ActivationOffloadCallback.__doc__ or "",
-        "configs/offload.yaml": (ROOT / "configs" / "offload.yaml").read_text(),
+        "lightning_offload/offload.yaml": (ROOT / "lightning_offload" / "offload.yaml").read_text(),
     }
     for where, text in texts.items():
         assert "almost no step time" not in text, where
@@ -118,8 +122,44 @@ def test_every_logged_key_is_documented() -> None:
 
 def test_streams_figure_exists() -> None:
     assert (ROOT / "docs" / "streams.png").stat().st_size > 10_000
-    assert "docs/streams.png" in README
+    assert "streams.png" in (ROOT / "docs" / "how-it-works.md").read_text()
     assert "<!-- BENCHMARK TABLE -->" in README
+
+
+USER_DOCS = ["README.md", "CHANGELOG.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
+def test_readme_links_are_absolute_and_name_files_that_exist() -> None:
+    """The README is the package's long description, read where relative links break: every link and image is
+    absolute, and one into this repository names a file (or folder) it has."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", README)
+    assert targets
+    for target in targets:
+        assert target.startswith("https://"), f"README links to {target!r}: use {REPOSITORY}<path>"
+        for base in (REPOSITORY, RAW):
+            if target.startswith(base):
+                path = target.removeprefix(base).split("#")[0]
+                assert (ROOT / path).exists(), f"README links to {target}, but {path} does not exist"
+
+
+def test_the_docs_pages_link_to_files_that_exist() -> None:
+    for name in USER_DOCS[2:]:
+        text = (ROOT / name).read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" not in target and not target.startswith("#"):
+                path = (ROOT / name).parent / target.split("#")[0]
+                assert path.exists(), f"{name} links to {target}, which does not exist"
+
+
+def test_user_documents_carry_no_run_ids_or_verdict_codes() -> None:
+    """Run ids (``v96``, ``h200-v108``) and the benchmark's verdict codes belong in the lab notes
+    (``benchmarks/results/<date>/NOTES.md``), not in what a user reads; a results file's name in a link is fine."""
+    for name in USER_DOCS:
+        text = re.sub(r"\]\([^)]*\)", "]", (ROOT / name).read_text())  # link targets left out
+        text = re.sub(r"`[^`]*`", "", text)  # so are code spans (file names, commands)
+        for pattern in (r"\bv\d{2,3}\b", r"\b(?:B[1-5]|P[1-4]b?)\b", r"\b(?:session|thirteenth|retired)\b"):
+            found = re.findall(pattern, text)
+            assert not found, f"{name} carries {found} (pattern {pattern})"
 
 
 def test_benchmark_commands_in_the_docs_are_current() -> None:
@@ -179,6 +219,11 @@ def test_readme_cli_command_lines_train_with_one_offloading_callback(tmp_path: P
         for i, arg in enumerate(args[:-1]):
             if arg == "--config":
                 name = args[i + 1]
+                if name == "$(python -m lightning_offload.config --path)":  # the packaged fragment
+                    from lightning_offload.config import fragment_path
+
+                    args[i + 1] = str(fragment_path())
+                    continue
                 if name.startswith("configs/"):
                     args[i + 1] = str(ROOT / name)
                     continue

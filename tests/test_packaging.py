@@ -1,4 +1,5 @@
-"""Packaging: every import is a declared dependency, the wheel carries py.typed and the licence, one version."""
+"""Packaging: every import is a declared dependency, the wheel carries py.typed, the licence and the config fragment,
+one version."""
 
 from __future__ import annotations
 
@@ -108,7 +109,11 @@ def test_version_is_written_once() -> None:
     assert "version" in PROJECT["dynamic"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_offload.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", lightning_offload.__version__)
-    assert f"## {lightning_offload.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+    # Keep a Changelog writes a release's heading as `## [0.2.0] - 2026-12-03`.
+    version = re.escape(lightning_offload.__version__)
+    assert re.search(rf"^## \[{version}\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.MULTILINE), (
+        f"CHANGELOG.md has no `## [{lightning_offload.__version__}]` section"
+    )
 
 
 def test_licence_is_apache_2() -> None:
@@ -121,7 +126,7 @@ def test_licence_is_apache_2() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="setuptools is not installed")
-def test_wheel_ships_py_typed_the_licence_and_the_version(tmp_path: Path) -> None:
+def test_wheel_ships_py_typed_the_licence_the_config_and_the_version(tmp_path: Path) -> None:
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -138,8 +143,46 @@ def test_wheel_ships_py_typed_the_licence_and_the_version(tmp_path: Path) -> Non
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = email.parser.Parser().parsestr(archive.read(metadata_name).decode())
     assert "lightning_offload/py.typed" in names
+    # The LightningCLI fragment is package data: an installed wheel has it without a checkout.
+    assert "lightning_offload/offload.yaml" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
     assert metadata["Version"] == lightning_offload.__version__
     assert metadata["License-Expression"] == "Apache-2.0"
     requires = {requirement_name(r) for r in metadata.get_all("Requires-Dist") if "extra ==" not in r}
     assert {"torch", "lightning", "torchmetrics", "psutil", "typing-extensions"} <= requires
+
+
+def run_config_module(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_offload.config", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_config_module_prints_the_fragment_and_its_path() -> None:
+    from lightning_offload.config import fragment_path, fragment_text
+
+    shipped = ROOT / "lightning_offload" / "offload.yaml"
+    assert fragment_path().resolve() == shipped.resolve()
+    assert fragment_text() == shipped.read_text()
+    assert "ActivationOffloadCallback" in fragment_text()
+
+    path = run_config_module("--path")
+    assert path.returncode == 0, path.stderr
+    assert Path(path.stdout.strip()).resolve() == shipped.resolve()
+    text = run_config_module()
+    assert text.returncode == 0, text.stderr
+    assert text.stdout == shipped.read_text()
+    usage = run_config_module("--help")
+    assert usage.returncode == 0 and "--path" in usage.stdout, usage.stdout
+    wrong = run_config_module("--bogus")
+    assert wrong.returncode == 2 and "unrecognized arguments" in wrong.stderr
+
+
+def test_the_fragment_has_one_copy_and_configs_keeps_only_the_demos() -> None:
+    """``configs/`` holds the demo configs; the fragment lives only in the package (two copies would drift)."""
+    fragment = (ROOT / "lightning_offload" / "offload.yaml").read_text()
+    demos = sorted((ROOT / "configs").glob("*.yaml"))
+    assert demos, "configs/ has no demo config"
+    for path in demos:
+        assert path.read_text() != fragment, f"{path.relative_to(ROOT)} is a copy of lightning_offload/offload.yaml"
+        assert "callbacks+" not in path.read_text(), f"{path.relative_to(ROOT)} looks like the offload fragment"
