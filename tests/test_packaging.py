@@ -186,3 +186,33 @@ def test_the_fragment_has_one_copy_and_configs_keeps_only_the_demos() -> None:
     for path in demos:
         assert path.read_text() != fragment, f"{path.relative_to(ROOT)} is a copy of lightning_offload/offload.yaml"
         assert "callbacks+" not in path.read_text(), f"{path.relative_to(ROOT)} looks like the offload fragment"
+
+
+def test_ci_installs_the_wheel_and_runs_the_example_outside_the_checkout() -> None:
+    """After the README's test command, ``.ci/run`` builds the wheel, installs it into a fresh environment under a
+    temporary folder, and from there runs the main example and finds the packaged config fragment."""
+    script = (ROOT / ".ci" / "run").read_text()
+    if shutil.which("bash"):
+        syntax = subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr
+    commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    after = commands[commands.index("python -m pytest -q") + 1 :]
+    steps = [
+        "WORK=$(mktemp -d)",
+        'pip wheel --no-deps --no-build-isolation -w "$WORK/dist" .',
+        'python3 -m venv "$WORK/venv"',
+        '"$PY" -m pip install torch==2.13.0',
+        '"$PY" -m pip install "$WORK"/dist/lightning_offload-*.whl',
+        'cd "$WORK/run"',
+        '"$PY" train_transformer.py',
+        'FRAGMENT=$("$PY" -m lightning_offload.config --path)',
+    ]
+    positions = []
+    for step in steps:
+        assert step in after, f".ci/run lacks {step!r} after the test command"
+        positions.append(after.index(step))
+    assert positions == sorted(positions), "the wheel steps of .ci/run are out of order"
+    assert 'PY="$WORK/venv/bin/python"' in after
+    # The interpreter that runs the example is the fresh environment's, and it is checked to import the wheel.
+    assert any(line.startswith('INSTALLED=$("$PY" -c') for line in after)
+    assert '"$WORK/venv/"*) ;;' in after
