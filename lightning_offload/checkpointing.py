@@ -236,38 +236,80 @@ def _warn_cache_once(class_name: str, keys: tuple[str, ...]) -> None:
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """The model's stack of repeated blocks: the largest ``nn.ModuleList`` whose children share one class.
+    """The model's stack of repeated blocks: the largest ``nn.ModuleList`` whose children share one class, or the
+    largest run of two or more consecutive same-class children of an ``nn.Sequential``.
 
-    "Largest" is by total parameter count, so a transformer's decoder layers win over small lists (heads, norms).
+    "Largest" is by total parameter count, so a transformer's decoder layers win over small lists (heads, norms). A
+    run inside an ``nn.Sequential`` (blocks stacked between an embedding and a head) counts only where it holds
+    parameters: consecutive activations or dropouts are no blocks worth checkpointing.
 
     Args:
         model: the model to search.
 
     Returns:
-        The list's qualified name (``""`` when ``model`` itself is the list) and its children.
+        The container's qualified name (``""`` when it is ``model`` itself) and the blocks (for a ``Sequential``,
+        only the run's children).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: no non-empty ``nn.ModuleList`` with children of a single class exists.
+        ValueError: no such list or run exists.
     """
     _check_model(model, "find_repeated_blocks")
-    best: tuple[int, str, list[nn.Module]] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        children = list(module)
-        if len({type(child) for child in children}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, name, children)
-    if best is None:
+    found = _repeated_blocks(model)
+    if found is None:
         raise ValueError(
-            f"find_repeated_blocks: {type(model).__name__} has no nn.ModuleList whose children all share one "
-            "class; pass apply_checkpointing(model, blocks=...) a class name, qualified name or nn.Module subclass "
+            f"find_repeated_blocks: {type(model).__name__} has {_NO_REPEATED_BLOCKS}; pass apply_checkpointing(model, "
+            "blocks=...) a class name, qualified name or nn.Module subclass "
             f"(candidate block classes: {candidate_blocks(model)})"
         )
-    return best[1], best[2]
+    prefix, blocks = found
+    return prefix, [module for _, module in blocks]
+
+
+_NO_REPEATED_BLOCKS = (
+    "no nn.ModuleList whose children all share one class, and no nn.Sequential with a run of two or more "
+    "same-class children holding parameters"
+)
+
+
+def _repeated_blocks(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
+    """:func:`find_repeated_blocks`'s container and blocks, each block by qualified name (a run inside an
+    ``nn.Sequential`` does not start at its first child, so the names cannot be counted from 0); ``None``: none."""
+    best: tuple[int, str, list[tuple[str, nn.Module]]] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            children = list(module.named_children())
+            runs = [children] if children and len({type(child) for _, child in children}) == 1 else []
+        elif isinstance(module, nn.Sequential):
+            runs = [run for run in _same_class_runs(list(module.named_children())) if _size(run) > 0]
+        else:
+            continue
+        for run in runs:
+            size = _size(run)
+            if best is None or size > best[0]:  # ties: the first in module order
+                best = (size, name, [(_join(name, child_name), child) for child_name, child in run])
+    return None if best is None else (best[1], best[2])
+
+
+def _same_class_runs(children: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """The maximal runs of two or more consecutive ``children`` of one class (lists and dicts, which have no forward
+    of their own, are never blocks)."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    run: list[tuple[str, nn.Module]] = []
+    for named in children:
+        if run and type(named[1]) is type(run[-1][1]):
+            run.append(named)
+            continue
+        if len(run) >= 2:
+            runs.append(run)
+        run = [] if isinstance(named[1], nn.ModuleList | nn.ModuleDict) else [named]
+    if len(run) >= 2:
+        runs.append(run)
+    return runs
+
+
+def _size(run: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for _, module in run for p in module.parameters())
 
 
 def candidate_blocks(model: nn.Module) -> list[str]:
@@ -554,15 +596,13 @@ def _selector_text(selector: BlockSelector) -> str:
 
 def _match(model: nn.Module, selector: BlockSelector, call: str) -> list[tuple[str, nn.Module]]:
     if selector == "auto":
-        try:
-            prefix, children = find_repeated_blocks(model)
-        except ValueError:
+        found = _repeated_blocks(model)
+        if found is None:
             raise ValueError(
-                f"{call}: 'auto' found no nn.ModuleList whose children all share one class in "
-                f"{type(model).__name__}; name the blocks by class name, qualified name or nn.Module subclass "
-                f"(candidate block classes: {candidate_blocks(model)})"
-            ) from None
-        return [(_join(prefix, str(i)), child) for i, child in enumerate(children)]
+                f"{call}: 'auto' found {_NO_REPEATED_BLOCKS} in {type(model).__name__}; name the blocks by class "
+                f"name, qualified name or nn.Module subclass (candidate block classes: {candidate_blocks(model)})"
+            )
+        return found[1]
     matches: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(selector, type):
@@ -596,7 +636,8 @@ def _name_order(model: nn.Module) -> Any:
 CHECKPOINT_DOCS = """\
         checkpoint: also apply non-reentrant activation checkpointing to the module's repeated blocks, so only
             each block's input is saved (and offloaded, where it hides behind the block's compute): ``"auto"``
-            (the largest ``ModuleList`` of same-class blocks), a class name or module name, an ``nn.Module``
+            (the largest ``ModuleList`` of same-class blocks, or run of them in a ``Sequential``), a class name or
+            module name, an ``nn.Module``
             subclass, or a list mixing names and classes. ``None``: leave the model as it is (the memory-budget
             planner may still checkpoint some blocks). A manual override: it switches the planner off. A selector
             that matches no module raises in ``setup`` (or, when the module builds its layers in its own ``setup``

@@ -106,6 +106,35 @@ def test_find_repeated_blocks_without_candidate_raises() -> None:
         find_repeated_blocks(model)
 
 
+def test_auto_finds_a_run_of_same_class_blocks_inside_a_sequential() -> None:
+    """``"auto"`` also finds a run of two or more same-class children of an ``nn.Sequential`` (blocks stacked
+    between an embedding and a head, say), named as the ``Sequential`` names them; the largest candidate (by
+    parameters) wins against ``ModuleList`` s too, and a run of parameterless modules (activations) is no block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), Block(), Block(), Block(), nn.LayerNorm(HIDDEN), nn.ReLU())
+    name, blocks = find_repeated_blocks(model)
+    assert (name, blocks) == ("", [model[1], model[2], model[3]])
+    assert select_blocks(model, "auto") == ["1", "2", "3"]
+    x = torch.randn(2, 5, HIDDEN)
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    model(x).sum().backward()
+    plain = _grads(model)
+    model.zero_grad(set_to_none=True)
+    assert apply_checkpointing(model, "auto") == ["1", "2", "3"]
+    torch.manual_seed(1)
+    model(x).sum().backward()
+    assert _grads(model).keys() == plain.keys()
+    assert all(torch.equal(_grads(model)[key], plain[key]) for key in plain)
+    # Nested: the run inside a submodule's Sequential beats a smaller uniform ModuleList elsewhere.
+    nested = nn.Module()
+    nested.stack = nn.Sequential(nn.Embedding(10, HIDDEN), Block(), Block())
+    nested.norms = nn.ModuleList([nn.LayerNorm(HIDDEN) for _ in range(3)])
+    assert select_blocks(nested, "auto") == ["stack.1", "stack.2"]
+    # Activations only: no block to checkpoint.
+    with pytest.raises(ValueError, match=r"'auto' found no nn\.ModuleList whose children all share one class"):
+        select_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.ReLU()), "auto")
+
+
 def test_auto_wraps_decoder_layers(toy: Toy) -> None:
     names = apply_checkpointing(toy)
     assert names == ["layers.0", "layers.1", "layers.2"]
