@@ -16,12 +16,12 @@ def offload_activations(
     mode: str = "streamed",
     memory_budget: int | str | None = "auto",
     compute_device: str | torch.device | None = None,
-    min_tensor_bytes: int = OffloadOptions.min_tensor_bytes,
-    resident_tail_bytes: int = OffloadOptions.resident_tail_bytes,
-    max_offload_bytes: int | None = None,
-    max_inflight_bytes: int | None = None,
-    prefetch_bytes: int = OffloadOptions.prefetch_bytes,
-    host_memory_limit: int | None = None,
+    min_tensor_bytes: int | str = OffloadOptions.min_tensor_bytes,
+    resident_tail_bytes: int | str = OffloadOptions.resident_tail_bytes,
+    max_offload_bytes: int | str | None = None,
+    max_inflight_bytes: int | str | None = None,
+    prefetch_bytes: int | str = OffloadOptions.prefetch_bytes,
+    host_memory_limit: int | str | None = None,
     on_host_full: str = "warn",
     measure_copies: bool = False,
     plan_trials: bool = True,
@@ -50,9 +50,9 @@ def offload_activations(
         model: its parameters and buffers (by storage) are never offloaded. Parameters, their views and casts are
             recognised without it; buffers only with it.
         checkpoint: also checkpoint ``model``'s repeated blocks (non-reentrant) so only each block's input is saved
-            and offloaded: ``"auto"`` (the largest list of same-class blocks), a class, a class name or a module
-            name, or a list of those. ``None``: no checkpointing. Applied once, here; a manual override that switches
-            the memory-budget planner off.
+            and offloaded: ``"auto"`` (those :func:`~lightning_offload.find_repeated_blocks` finds), a class, a class
+            name or a module name, or a list of those. ``None``: no checkpointing. Applied once, here; a manual
+            override that switches the memory-budget planner off.
         recompute: what backward reruns of those blocks: ``"all"`` (their whole forward) or ``"elementwise"`` (their
             matrix products and attention are kept on the device, the rest recomputed; see
             :func:`~lightning_offload.apply_checkpointing`). Needs ``checkpoint``.

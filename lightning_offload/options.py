@@ -1,4 +1,14 @@
-"""The options shared by :func:`offload_activations` and :class:`ActivationOffloadCallback`, validated in one place."""
+"""The options shared by :func:`offload_activations` and :class:`ActivationOffloadCallback`, validated in one place.
+
+Sizes:
+    Every byte option (``memory_budget``, ``min_tensor_bytes``, ``resident_tail_bytes``, ``max_offload_bytes``,
+    ``max_inflight_bytes``, ``prefetch_bytes``, ``host_memory_limit``) takes an integer byte count or a size string,
+    the same in Python, in YAML and on the command line: ``"GB"``, ``"MB"``, ``"KB"``, ``"TB"`` are powers of 10
+    (``"2GB"`` is 2000000000 bytes); ``"GiB"``/``"G"``, ``"MiB"``/``"M"``, ``"KiB"``/``"K"``, ``"TiB"``/``"T"``
+    powers of 2 (``"2GiB"`` and ``"2G"`` are 2147483648 bytes); ``"B"`` or no unit: bytes. Units are read in any
+    case; a decimal needs a unit (``"1.5GiB"``, rounded down to whole bytes). A float (``2.5e9``, ``1.5``) is
+    refused: a byte count is an integer.
+"""
 
 from __future__ import annotations
 
@@ -47,16 +57,16 @@ class OffloadOptions:
         mode: ``"streamed"`` overlaps copies with compute on two copy streams and prefetches in backward;
             ``"sync"`` copies on the compute stream when a tensor is saved and when backward needs it (simple, for
             debugging); ``"off"`` offloads nothing and only counts what would be offloaded.
-        memory_budget: the most device memory a training step may use, in bytes or as a string such as
-            ``"40GiB"``; a planner measures the first two steps (under a budget given here they offload everything,
-            the most frugal way to run) and then runs each step on the cheapest plan that stays within it: keep
-            what fits (the hooks are not even installed), offload the earliest tensors (their copies hide behind
-            compute), recompute the elementwise operations of some repeated blocks (their matrix products kept),
-            checkpoint the fewest blocks needed, checkpoint all and offload the rest, and last checkpoint every block
-            by its parts (one part rebuilt at a time in backward; their inputs offloaded). Blocks the model or the
-            user already checkpoints are left as they are (plans then only offload). A new input shape is measured
-            once, and one met before runs its own plan again (the callback notices; a loop with
-            ``offload_activations`` or ``fabric_offload`` calls ``input_changed()``).
+        memory_budget: the most device memory a training step may use, a size such as ``"40GiB"`` (see
+            ``min_tensor_bytes`` for the units); a planner measures the first two steps (under a budget given here
+            they offload everything, the most frugal way to run) and then runs each step on the cheapest plan that
+            stays within it: keep what fits (the hooks are not even installed), offload the earliest tensors (their
+            copies hide behind compute), recompute the elementwise operations of some repeated blocks (their matrix
+            products kept), checkpoint the fewest blocks needed, checkpoint all and offload the rest, and last
+            checkpoint every block by its parts (one part rebuilt at a time in backward; their inputs offloaded).
+            Blocks the model or the user already checkpoints are left as they are (plans then only offload). A new
+            input shape is measured once, and one met before runs its own plan again (the callback notices; a loop
+            with ``offload_activations`` or ``fabric_offload`` calls ``input_changed()``).
             ``"auto"``: what the process may use of the device's memory (under its memory fraction, where set)
             less a margin, so a model that fits pays nothing and one that does not is made to fit. ``None``: no
             planning; offload every eligible tensor (within ``max_offload_bytes``).
@@ -66,7 +76,9 @@ class OffloadOptions:
             the module's device). ``"cpu"`` treats CPU tensors as offloadable (copied to separate host buffers, on
             simulated copy streams in ``"streamed"`` mode) so the bookkeeping runs without a GPU.
         min_tensor_bytes: storage spans smaller than this stay on the device (default 1 MiB: smaller copies are
-            dominated by fixed costs and free almost nothing).
+            dominated by fixed costs and free almost nothing). This and every byte option below take a size:
+            ``"GB"``/``"MB"``/``"KB"`` are powers of 10, ``"GiB"``/``"G"``, ``"MiB"``/``"M"``, ``"KiB"``/``"K"``
+            powers of 2, or an integer byte count.
         resident_tail_bytes: a tensor leaves the device only once this many bytes were saved after it in the same
             forward, so the last tensors of forward (logits, loss), needed first by backward, stay.
         max_offload_bytes: offload at most the first this-many bytes of each forward (the earliest tensors hide
@@ -79,7 +91,7 @@ class OffloadOptions:
         prefetch_bytes: the most bytes fetched back ahead of backward and not yet used (device memory that
             prefetching may hold). When each copy starts comes from a model of the link: forward's measured pace
             against the link's bandwidth, chained in the order backward needs the copies.
-        host_memory_limit: the most host memory the pool may hold, in bytes (at least one buffer for a tensor of
+        host_memory_limit: the most host memory the pool may hold (at least one buffer for a tensor of
             ``min_tensor_bytes``). ``None``: 80% of the RAM available at first use, divided by the processes on
             this machine.
         on_host_full: when the limit (or the machine's free RAM) is reached: ``"warn"`` keeps further tensors on
@@ -194,19 +206,17 @@ def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{caller}(on_host_full={on_host_full!r}): on_host_full must be one of {list(ON_HOST_FULL)}")
     for name in ("min_tensor_bytes", "resident_tail_bytes", "prefetch_bytes"):
         if name in kwargs:
-            kwargs[name] = _check_bytes(caller, name, kwargs[name], allow_none=False)
+            kwargs[name] = parse_bytes(caller, name, kwargs[name], allow_none=False)
     if kwargs.get("max_offload_bytes") == "auto":
         raise ValueError(
             f"{caller}(max_offload_bytes='auto'): 'auto' was retired (it offloaded far more than hides); pass "
             "memory_budget= (bytes or a string such as '40GiB') to let the planner choose, or a byte count"
         )
-    if "max_offload_bytes" in kwargs:
-        kwargs["max_offload_bytes"] = _check_bytes(caller, "max_offload_bytes", kwargs["max_offload_bytes"], True)
     if "memory_budget" in kwargs:
         kwargs["memory_budget"] = parse_budget(caller, kwargs["memory_budget"])
-    for name in ("max_inflight_bytes", "host_memory_limit"):
+    for name in ("max_offload_bytes", "max_inflight_bytes", "host_memory_limit"):
         if name in kwargs:
-            kwargs[name] = _check_bytes(caller, name, kwargs[name], allow_none=True)
+            kwargs[name] = parse_bytes(caller, name, kwargs[name], allow_none=True)
     _check_host_limit(caller, kwargs.get("host_memory_limit"), kwargs.get("min_tensor_bytes", DEFAULT_MIN_TENSOR_BYTES))
     for name in ("measure_copies", "plan_trials"):
         flag = kwargs.get(name, False)
@@ -216,42 +226,58 @@ def _validated(caller: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _check_bytes(caller: str, name: str, value: Any, allow_none: bool) -> int | None:
-    """``value`` as an ``int`` (any integer type: numpy's too, not a bool), or ``None`` where allowed; raises naming
-    ``caller`` and the argument."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        allowed = "a byte count >= 0" + (" or None" if allow_none else "")
-        raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
-    return int(value)
-
-
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20})
 _UNITS.update({"g": 1 << 30, "t": 1 << 40})
+_SIZE = re.compile(r"\s*([0-9]+)(\.[0-9]+)?\s*([a-zA-Z]*)\s*")
+
+
+def _size_strings(examples: str = "'512MiB', '2GiB' or '2GB'") -> str:
+    """The size strings every byte option's error allows (the units in full are in the module's docstring)."""
+    return f"a size string such as {examples} (GB = 10**9 bytes, GiB = G = 2**30)"
+
+
+def _size(value: Any) -> int | None:
+    """``value`` (an integer of any type but bool, or a size string) in bytes; ``None`` where it is neither."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, str):
+        return None  # a float among them: 2.5e9 may be exact, 1.5 cannot be a byte count
+    match = _SIZE.fullmatch(value)
+    if match is None or match.group(3).lower() not in _UNITS:
+        return None
+    unit = _UNITS[match.group(3).lower()]
+    if match.group(2) and unit == 1:
+        return None  # bytes come whole: "1.5" (GiB meant?) would otherwise be 1 byte
+    # Digits and unit multiplied exactly: through a float, 400 digits overflow, and 1.1 GB loses a byte.
+    return int(Fraction(match.group(1) + (match.group(2) or "")) * unit)
+
+
+def parse_bytes(caller: str, name: str, value: Any, allow_none: bool) -> int | None:
+    """``value`` in bytes: an integer (numpy's too, not a bool) or a size string such as ``"512MiB"`` (see the module's
+    docstring for the units), or ``None`` where allowed; raises naming ``caller``, the argument and what is allowed.
+    """
+    if value is None and allow_none:
+        return None
+    size = _size(value)
+    if size is None or size < 0:
+        allowed = f"an integer byte count >= 0 or {_size_strings()}" + (", or None" if allow_none else "")
+        raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
+    return size
 
 
 def parse_budget(caller: str, value: Any) -> int | str | None:
-    """``memory_budget`` as bytes, ``"auto"`` or ``None``; strings such as ``"40GiB"``, ``"512 MiB"``, ``"80GB"``."""
+    """``memory_budget`` as bytes, ``"auto"`` or ``None``; sizes as for every byte option (``"40GiB"``, ``"80GB"``)."""
     if value is None or value == "auto":
         return value
-    # Any integer type (numpy's too), but not a bool.
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]+)(\.[0-9]+)?\s*([a-zA-Z]*)\s*", value)
-        # Bytes come whole: "1.5" without a unit (meant as GiB?) would otherwise be a budget of 1 byte.
-        unit = match.group(3).lower() if match else None
-        if match and unit in _UNITS and not (match.group(2) and _UNITS[unit] == 1):
-            # Digits and unit multiplied exactly: through a float, 400 digits overflow, and 1.1 GB loses a byte.
-            size = int(Fraction(match.group(1) + (match.group(2) or "")) * _UNITS[unit])
-            if size > 0:  # a fraction of a byte ("0.4kb" is 400 bytes, but "0.0001kb" rounds to 0): no step fits 0
-                return size
-    raise ValueError(
-        f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, a whole byte count > 0 or a size "
-        "such as '40GiB', '1.5GiB', '512MiB' or '80GB'"
-    )
+    size = _size(value)
+    # No step fits a budget of 0 bytes ("0", or a fraction of a byte such as "0.0001kb").
+    if size is None or size <= 0:
+        raise ValueError(
+            f"{caller}(memory_budget={value!r}): memory_budget must be 'auto', None, an integer byte count > 0 or "
+            + _size_strings("'40GiB', '512MiB' or '2GB'")
+        )
+    return size
 
 
 def _host_limit_floor(min_tensor_bytes: int) -> int:

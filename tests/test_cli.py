@@ -158,6 +158,49 @@ def test_offload_yaml_is_a_fragment_with_every_option_at_its_default() -> None:
     )
 
 
+# Every byte option with a size string (either kind of unit) and the byte count it means.
+SIZES: dict[str, tuple[str, int]] = {
+    "memory_budget": ("40GiB", 40 << 30),
+    "min_tensor_bytes": ("2MiB", 2 << 20),
+    "resident_tail_bytes": ("128M", 128 << 20),
+    "max_offload_bytes": ("2GB", 2 * 10**9),
+    "max_inflight_bytes": ("64MB", 64 * 10**6),
+    "prefetch_bytes": ("1G", 1 << 30),
+    "host_memory_limit": ("8GiB", 8 << 30),
+}
+
+
+def test_byte_options_take_size_strings_in_yaml_and_on_the_command_line(tmp_path: Path) -> None:
+    """The sizes the options document pass the CLI's type check (the signature said ``int``, so ``"2GiB"`` was
+    refused before the callback saw it), from a YAML entry, from ``--trainer.callbacks.init_args.*`` and from
+    ``--offload.*``."""
+    assert set(SIZES) == {
+        "memory_budget",
+        "host_memory_limit",
+        *(name for name in PARAMETERS if name.endswith("_bytes")),
+    }
+    expected = {name: size for name, (_, size) in SIZES.items()}
+    entry = {name: text for name, (text, _) in SIZES.items()}
+    user = write_user_config(tmp_path, offload_entry=entry)
+    with pytest.warns(UserWarning, match=r"memory_budget is not used"):  # beside max_offload_bytes
+        cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=[f"--config={user}"])
+    callback = assert_user_callbacks_kept(cli.trainer.callbacks)
+    assert {name: getattr(callback.options, name) for name in SIZES} == expected
+    flags = [f"--trainer.callbacks.init_args.{name}={text}" for name, (text, _) in SIZES.items()]
+    args = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.callbacks+={CLASS_PATH}", *flags]
+    with pytest.warns(UserWarning, match=r"memory_budget is not used"):
+        cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=args)
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+    assert {name: getattr(callback.options, name) for name in SIZES} == expected
+    flags = [f"--offload.{name}={text}" for name, (text, _) in SIZES.items()]
+    with pytest.warns(UserWarning, match=r"memory_budget is not used"):
+        cli = OffloadCLI(
+            BoringModel, BoringDataModule, run=False, args=[f"--trainer.default_root_dir={tmp_path}", *flags]
+        )
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
+    assert {name: getattr(callback.options, name) for name in SIZES} == expected
+
+
 # ------------------------------------------------------------------ pytorch_lightning.cli
 
 

@@ -23,10 +23,11 @@ from tests.models import top_hooks
         ({"mode": None}, ValueError, ["mode=None", *MODES]),
         ({"on_host_full": "x"}, ValueError, ["on_host_full='x'", *ON_HOST_FULL]),
         ({"min_tensor_bytes": -1}, ValueError, ["min_tensor_bytes=-1", ">= 0"]),
-        ({"min_tensor_bytes": 1.5}, ValueError, ["min_tensor_bytes=1.5", ">= 0"]),
+        ({"min_tensor_bytes": 1.5}, ValueError, ["min_tensor_bytes=1.5", "an integer"]),
         ({"min_tensor_bytes": True}, ValueError, ["min_tensor_bytes=True"]),
         ({"resident_tail_bytes": None}, ValueError, ["resident_tail_bytes=None", ">= 0"]),
-        ({"prefetch_bytes": "1GB"}, ValueError, ["prefetch_bytes='1GB'"]),
+        ({"prefetch_bytes": "1 parsec"}, ValueError, ["prefetch_bytes='1 parsec'", "'512MiB'", "'2GB'"]),
+        ({"prefetch_bytes": "-1GiB"}, ValueError, ["prefetch_bytes='-1GiB'", ">= 0"]),
         ({"max_inflight_bytes": -5}, ValueError, ["max_inflight_bytes=-5", "or None"]),
         ({"max_offload_bytes": -1}, ValueError, ["max_offload_bytes=-1", "or None"]),
         ({"host_memory_limit": 2.5}, ValueError, ["host_memory_limit=2.5", "or None"]),
@@ -289,6 +290,66 @@ def test_a_budget_given_beside_checkpoint_is_a_warning_naming_both() -> None:
         ActivationOffloadCallback(checkpoint="auto", memory_budget="1GiB", mode="sync")
     calls = [str(w.message).split(":")[0] for w in said]
     assert calls == ["ActivationOffloadCallback(memory_budget='1GiB', mode='sync')"]
+
+
+BYTE_OPTIONS = (
+    "memory_budget",
+    "min_tensor_bytes",
+    "resident_tail_bytes",
+    "max_offload_bytes",
+    "max_inflight_bytes",
+    "prefetch_bytes",
+    "host_memory_limit",
+)
+
+
+def test_byte_options_are_every_option_that_counts_bytes() -> None:
+    """The list the size tests below walk is the options' own: a new byte option cannot miss them."""
+    names = [f.name for f in dataclasses.fields(OffloadOptions)]
+    assert sorted(name for name in names if name.endswith("_bytes") or "memory" in name) == sorted(BYTE_OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        ("2GB", 2 * 10**9),
+        ("2GiB", 2 << 30),
+        ("2G", 2 << 30),
+        ("3MB", 3 * 10**6),
+        ("3MiB", 3 << 20),
+        ("3 M", 3 << 20),
+        ("4096KB", 4096 * 10**3),
+        ("4096KiB", 4 << 20),
+        ("4096k", 4 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2097152", 2 << 20),
+        ("2097152B", 2 << 20),
+    ],
+)
+def test_every_byte_option_takes_the_same_size_strings(size: str, expected: int) -> None:
+    """Every byte option reads the same sizes: ``"GB"``, ``"MB"``, ``"KB"`` are powers of 10, ``"GiB"``/``"G"``,
+    ``"MiB"``/``"M"``, ``"KiB"``/``"K"`` powers of 2 (only ``memory_budget`` took sizes; the others took ints only).
+    So do the entry points, which keep the parsed byte count."""
+    for name in BYTE_OPTIONS:
+        assert getattr(OffloadOptions.create("t", **{name: size}), name) == expected, name
+        assert getattr(OffloadOptions(**{name: size}), name) == expected, name  # type: ignore[arg-type]
+        assert getattr(ActivationOffloadCallback(**{name: size}).options, name) == expected, name
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "offload_activations.*memory_budget is not used")  # on the CPU
+            engine = offload_activations(**{"compute_device": "cpu", "memory_budget": None, name: size})
+        assert getattr(engine.options, name) == expected, name
+
+
+@pytest.mark.parametrize("value", [2.5e9, 1.5, 1024.0, "1.5", "2.5e9", "1e9"])
+def test_a_float_byte_count_is_refused_asking_for_an_integer(value: Any) -> None:
+    """A float is no byte count (``2.5e9`` may be exact, ``1.5`` cannot be; was it meant in GiB?): every byte option
+    refuses it, as a number or as a string, naming the argument and the allowed forms."""
+    for name in BYTE_OPTIONS:
+        with pytest.raises(ValueError) as info:
+            offload_activations(**{name: value})
+        message = str(info.value)
+        assert message.startswith(f"offload_activations({name}={value!r}): {name} must be"), message
+        assert "an integer" in message and "'512MiB'" in message and "'2GB'" in message, message
 
 
 def test_byte_options_take_any_integer_type_and_keep_plain_ints() -> None:
