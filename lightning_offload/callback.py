@@ -26,6 +26,7 @@ from lightning_offload.options import (
     Mode,
     OffloadOptions,
     OnHostFull,
+    no_cuda_message,
     option_docs,
     warn_unused_budget,
 )
@@ -145,10 +146,7 @@ class ActivationOffloadCallback(Callback):
         if device is None:
             device = pl_module.device
             if device.type != "cuda":
-                rank_zero_warn(
-                    f"ActivationOffloadCallback: the model runs on {device.type!r}, not CUDA; activations stay where "
-                    "they are and the callback does nothing. (Pass compute_device='cpu' to exercise it on the CPU.)"
-                )
+                rank_zero_warn(no_cuda_message("ActivationOffloadCallback", f"module on {device.type}"))
                 self._active = False
                 return
             options = dataclasses.replace(options, compute_device=device)

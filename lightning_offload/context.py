@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from typing import Any
 
 import torch
 
-from lightning_offload.engine import OffloadEngine
-from lightning_offload.options import OffloadOptions, warn_unused_budget
+from lightning_offload.engine import IdleEngine, OffloadEngine
+from lightning_offload.options import OffloadOptions, no_cuda_message, warn_unused_budget
 
 
 def offload_activations(
@@ -60,7 +61,8 @@ def offload_activations(
             ``host_memory_limit`` is split between them. ``None``: ``LOCAL_WORLD_SIZE``, else 1.
 
     Returns:
-        An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block.
+        An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block. Without CUDA
+        and without ``compute_device``, one that offloads and checkpoints nothing (a warning says so, once).
     """
     values = dict(locals())
     model, checkpoint, local_processes = values.pop("model"), values.pop("checkpoint"), values.pop("local_processes")
@@ -80,13 +82,19 @@ def offload_activations(
     from lightning_offload.checkpointing import WrappedBlocks, check_recompute, select_blocks
 
     check_recompute(recompute, f"offload_activations(recompute={recompute!r})", checkpoint)
-    blocks = None
+    names: list[str] = []
     if checkpoint is not None:
         if model is None:
             raise ValueError(f"offload_activations(checkpoint={checkpoint!r}): checkpointing needs model=")
         # Selected first, quoting this call (the user never called ``apply_checkpointing``); then wrapped.
         names = select_blocks(model, checkpoint, call=f"offload_activations(checkpoint={checkpoint!r})")
-        blocks = WrappedBlocks(model, names, recompute)
+    if options.compute_device is None and not torch.cuda.is_available():
+        # Everything was checked above, so a wrong argument fails on every machine; here nothing more happens.
+        warnings.warn(no_cuda_message("offload_activations", "CUDA is not available"), UserWarning, stacklevel=2)
+        return IdleEngine(options, model=model, local_processes=local_processes)
+    blocks = None
+    if checkpoint is not None:
+        blocks = WrappedBlocks(model, names, recompute)  # type: ignore[arg-type]
         if options.plans:  # else ``create`` has said why the budget goes unused
             warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides

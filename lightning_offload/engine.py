@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from typing_extensions import override
 
 from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, check_measuring_steps, close_step, plan_step, planner_for
@@ -40,7 +41,7 @@ from lightning_offload.copies import SavedView, State, StorageCopy, modified_err
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
-from lightning_offload.options import OffloadOptions
+from lightning_offload.options import OffloadOptions, no_cuda_message
 from lightning_offload.outbound import OutboundQueue
 from lightning_offload.planned_blocks import compiled_across_blocks, compiled_modules
 from lightning_offload.savelog import SaveLog
@@ -537,11 +538,20 @@ def _run_eagerly(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _no_device() -> torch.device:
-    """Never offload CPU tensors unless asked: without CUDA, count and keep everything (and say so once)."""
-    warnings.warn(
-        "offload_activations(): CUDA is not available and compute_device=None, so nothing is offloaded. "
-        "Pass compute_device='cpu' to exercise the engine on CPU tensors.",
-        RuntimeWarning,
-        stacklevel=5,
-    )
+    """Never offload CPU tensors unless asked: without CUDA, an engine made directly keeps everything (and says so
+    once, as the entry points do; they return an :class:`IdleEngine` instead)."""
+    warnings.warn(no_cuda_message("OffloadEngine", "CUDA is not available"), UserWarning, stacklevel=5)
     return torch.device("meta")  # no real tensor lives there: nothing is eligible
+
+
+class IdleEngine(OffloadEngine):
+    """An engine that offloads nothing and installs no hooks: what ``offload_activations`` and ``fabric_offload``
+    return where there is no CUDA device to offload from (having said so once, as they were called), so that a loop
+    written for CUDA runs unchanged, at no cost, on any other device. Its ``stats`` stay zero."""
+
+    @override
+    def install(self) -> None:
+        if self._active:
+            raise RuntimeError("offload_activations(): this engine is already active; enter it once at a time")
+        self._stats = OffloadStats()
+        self._active = True

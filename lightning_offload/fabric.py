@@ -25,12 +25,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
 
-from lightning_offload.engine import OffloadEngine
-from lightning_offload.options import OffloadOptions, warn_unused_budget
+from lightning_offload.engine import IdleEngine, OffloadEngine
+from lightning_offload.options import OffloadOptions, no_cuda_message, warn_unused_budget
 
 __all__ = ["fabric_offload"]
 
@@ -46,20 +47,21 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
             never offloaded, and ``checkpoint=`` applies to its blocks.
         **options: the options of :func:`lightning_offload.offload_activations` (``mode``, ``max_offload_bytes``,
             ``checkpoint``, ``recompute``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA (and
-            may name no other then); on any other device pass ``compute_device="cpu"`` (which runs the engine on
-            CPU tensors, for tests) or do not offload. ``host_memory_limit=None`` splits 80% of the available RAM
-            between the processes Fabric runs on this machine.
+            may name no other then); on any other device nothing is offloaded (a warning says so, once) unless
+            ``compute_device="cpu"`` asks to run the engine on CPU tensors. ``host_memory_limit=None`` splits 80% of
+            the available RAM between the processes Fabric runs on this machine.
 
     Returns:
         An :class:`~lightning_offload.OffloadEngine`: a reusable context manager whose ``stats`` describe the
-        latest forward.
+        latest forward. Where Fabric's device is not CUDA and no ``compute_device`` was given, one that offloads and
+        checkpoints nothing.
 
     Raises:
         TypeError: ``fabric`` is not a Fabric, ``model`` not a module, or an option is unknown.
         ValueError: Fabric runs ``strategy="dp"`` over several devices (replicas in threads the hooks do not
-            see), Fabric's device is not CUDA and no ``compute_device`` was given, Fabric's device is CUDA and
-            ``compute_device`` names another device, ``local_processes`` was passed (it comes from Fabric), or an
-            option's value is invalid. Errors quote this call, and nothing is checkpointed then.
+            see), Fabric's device is CUDA and ``compute_device`` names another device, ``local_processes`` was
+            passed (it comes from Fabric), or an option's value is invalid (on any device). Errors quote this call,
+            and nothing is checkpointed then.
     """
     if not (hasattr(fabric, "device") and hasattr(fabric, "strategy")):
         raise TypeError(
@@ -84,13 +86,10 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
             "would be offloaded. Use strategy='ddp' (a process per device)."
         )
     device = torch.device(fabric.device)
-    if options.get("compute_device") is None:
-        if device.type != "cuda":
-            raise ValueError(
-                f"fabric_offload(fabric): Fabric runs on {str(device)!r}, not CUDA, so there is nothing to offload. "
-                "Pass compute_device='cpu' to exercise the engine on CPU tensors, or leave offloading out on this "
-                "device."
-            )
+    # Off CUDA (and without compute_device) nothing is offloaded; the options are checked all the same, so that a
+    # wrong one fails on every machine.
+    idle = options.get("compute_device") is None and device.type != "cuda"
+    if options.get("compute_device") is None and not idle:
         options["compute_device"] = device
     elif device.type == "cuda":
         _check_fabric_device(options["compute_device"], device)
@@ -107,6 +106,10 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         if module is None:
             raise ValueError(f"fabric_offload(checkpoint={checkpoint!r}): checkpointing needs model=")
         names = select_blocks(module, checkpoint, call=f"fabric_offload(checkpoint={checkpoint!r})")
+    if idle:
+        warnings.warn(no_cuda_message("fabric_offload", f"Fabric runs on {device}"), UserWarning, stacklevel=2)
+        return IdleEngine(engine_options, model=model, local_processes=local_processes(fabric))
+    if checkpoint is not None:
         if engine_options.plans:  # else ``create`` has said why the budget goes unused
             warn_unused_budget("fabric_offload", options.get("memory_budget"), f"checkpoint={checkpoint!r}")
         # Checkpointing by hand: the user decides, as with ``offload_activations``.

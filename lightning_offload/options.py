@@ -179,6 +179,15 @@ _NORMALIZED = (
 )
 
 
+def no_cuda_message(caller: str, where: str) -> str:
+    """What each entry point says, once, where there is no CUDA device to offload from (``where`` says why): it then
+    offloads nothing, and ``compute_device="cpu"`` is the explicit opt-in to run the engine on CPU tensors."""
+    return (
+        f"{caller}: no CUDA device ({where}); offloading nothing. Pass compute_device='cpu' to run the engine on CPU "
+        "tensors."
+    )
+
+
 def warn_unused_budget(caller: str, memory_budget: Any, override: str, stacklevel: int = 3) -> None:
     """Warn that a ``memory_budget`` the user gave (not the default ``"auto"``) goes unused beside ``override``, a
     manual override or a mode that does not plan: the user asked for both, and only one can decide. ``stacklevel``:

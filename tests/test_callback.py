@@ -1025,9 +1025,14 @@ def test_cpu_without_compute_device_warns_once_and_does_nothing(tmp_path: Path) 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(tmp_path / "offload", module, data, [callback])
-    ours = [w for w in caught if "ActivationOffloadCallback" in str(w.message)]
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "not CUDA" in str(ours[0].message) and "does nothing" in str(ours[0].message)
+    ours = [(w.category, str(w.message)) for w in caught if "ActivationOffloadCallback" in str(w.message)]
+    assert ours == [
+        (
+            UserWarning,
+            "ActivationOffloadCallback: no CUDA device (module on cpu); offloading nothing. Pass compute_device='cpu' "
+            "to run the engine on CPU tensors.",
+        )
+    ]
     assert callback.stats == OffloadStats()
     assert module.forward_log == [(False, 0), (False, 0)]
     assert_same_training(module, plain)

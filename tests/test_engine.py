@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from lightning_offload import HostMemoryFull, OffloadEngine, OffloadOptions, copies, no_offload, offload_activations
+from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.copies import StorageCopy
 from lightning_offload.host_pool import HostPool
 from tests.models import (
@@ -431,22 +432,54 @@ def test_tensors_off_the_compute_device_are_never_offloaded() -> None:
     assert w.grad is not None and w.grad.device.type == "meta"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
+NO_CUDA = (
+    "no CUDA device (CUDA is not available); offloading nothing. Pass compute_device='cpu' to run the engine on CPU "
+    "tensors."
+)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_default_device_on_a_cpu_only_machine() -> None:
-    """Without CUDA, ``compute_device=None`` offloads nothing (CPU tensors are never
-    offloaded unless ``compute_device="cpu"`` asks for the test mode), warns once, and gradients are unchanged."""
+    """Without CUDA, ``compute_device=None`` offloads nothing (CPU tensors are never offloaded unless
+    ``compute_device="cpu"`` asks for it): ``offload_activations`` says so once, as it is called (a RuntimeWarning
+    at the first step before), naming itself like the callback and ``fabric_offload``; it installs no hooks,
+    checkpoints nothing and says nothing else (not of a budget either), and gradients are unchanged."""
     assert OffloadOptions.create("test").resolved_device() is None
-    engine = offload_activations(min_tensor_bytes=0, resident_tail_bytes=0)
-    x = torch.randn(16, 16, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
-        with engine:
-            loss = torch.tanh(x * 1.0).sum()
-    loss.backward()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine = offload_activations(
+            model=model, checkpoint="auto", memory_budget="1GiB", min_tensor_bytes=0, resident_tail_bytes=0
+        )
+        x = torch.randn(16, 16, requires_grad=True)
+        for _ in range(2):
+            with engine:
+                assert top_hooks() is None
+                loss = torch.tanh(model(x)).sum()
+            loss.backward()
+    assert [(w.category, str(w.message)) for w in said] == [(UserWarning, f"offload_activations: {NO_CUDA}")]
+    assert said[0].filename == __file__
+    assert checkpointed_modules(model) == []
     reference = x.detach().clone().requires_grad_()
-    torch.tanh(reference * 1.0).sum().backward()
-    assert torch.equal(x.grad, reference.grad)
+    torch.tanh(model(reference)).sum().backward()
+    assert torch.equal(x.grad, 2 * reference.grad)  # two steps, each as without the engine
     assert engine.stats.offloaded_bytes == 0 and engine.stats.eligible_bytes == 0
+    with pytest.raises(ValueError, match=r"^offload_activations\(checkpoint='Nope'\): 'Nope' matches no"):
+        offload_activations(model=model, checkpoint="Nope")  # checked off CUDA too
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_engine_made_directly_without_cuda_says_so_once_naming_itself() -> None:
+    engine = OffloadEngine(OffloadOptions(min_tensor_bytes=0, resident_tail_bytes=0))
+    x = torch.randn(16, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with engine:
+                loss = torch.tanh(x * 1.0).sum()
+            loss.backward()
+    assert [(w.category, str(w.message)) for w in said] == [(UserWarning, f"OffloadEngine: {NO_CUDA}")]
+    assert engine.stats.offloaded_bytes == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -30,6 +30,7 @@ from lightning_offload.fabric import fabric_offload
 from lightning_offload.options import GiB
 from tests import processes
 from tests.fabric_script import OFFLOAD_OPTIONS, STEPS, batch_for, train
+from tests.models import top_hooks
 from tests.tiny_modules import OFFLOAD_ALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,10 +150,37 @@ def test_fabric_recompute_applies_to_the_checkpointed_blocks_and_needs_checkpoin
     assert [layer.__dict__["forward"].recompute for layer in module] == ["elementwise", "elementwise"]
 
 
-def test_cpu_fabric_without_compute_device_is_refused() -> None:
+def test_cpu_fabric_without_compute_device_warns_once_and_does_nothing() -> None:
+    """Off CUDA ``fabric_offload`` behaves as the callback and ``offload_activations`` do (it raised): one warning
+    naming the call, and an engine that offloads nothing, installs no hooks and checkpoints nothing. Bad options and
+    selectors still raise, quoting the call."""
     fabric = Fabric(accelerator="cpu", devices=1)
-    with pytest.raises(ValueError, match=r"fabric_offload\(fabric\): Fabric runs on 'cpu', not CUDA.*compute_device"):
-        fabric_offload(fabric, nn.Linear(2, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"^fabric_offload\(mode='fast'\)"):
+        fabric_offload(fabric, model, mode="fast")
+    with pytest.raises(ValueError, match=r"^fabric_offload\(checkpoint='Nope'\): 'Nope' matches no"):
+        fabric_offload(fabric, model, checkpoint="Nope")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        off = fabric_offload(fabric, model, checkpoint="Linear", memory_budget="1GiB", min_tensor_bytes=0)
+        x = torch.randn(4, 8, requires_grad=True)
+        for _ in range(2):
+            with off:
+                assert top_hooks() is None  # no hooks: nothing to pay for
+                loss = model(x).square().sum()
+            loss.backward()
+    assert [(w.category, str(w.message)) for w in said] == [
+        (
+            UserWarning,
+            "fabric_offload: no CUDA device (Fabric runs on cpu); offloading nothing. Pass compute_device='cpu' to run "
+            "the engine on CPU tensors.",
+        )
+    ]
+    assert said[0].filename == __file__  # the user's line, not ours
+    assert checkpointed_modules(model) == []
+    assert off.stats.offloaded_bytes == 0 and off.stats.saved_tensors == 0
+    off.close()
 
 
 def test_process_count_comes_from_fabric() -> None:
