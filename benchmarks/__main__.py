@@ -34,6 +34,7 @@ from benchmarks.workloads import (
     DEFAULT_MAX_SEQ,
     MODES,
     WORKLOADS,
+    tiny,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,9 +212,53 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_worker(args: argparse.Namespace, workload: str, json_path: Path, timeout: float | None) -> dict[str, Any]:
-    """Run one workload in its own process; return its JSON (partial if it crashed or timed out)."""
-    modes = args.modes if args.modes is not None else list(WORKLOADS[workload].modes)
+def cuda_available() -> bool:
+    """Whether this machine has CUDA (the workers run on it then)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def split_modes(modes: list[str], cuda: bool) -> tuple[list[str], list[str]]:
+    """``modes`` split into those that run on this machine and those that need CUDA where it has none.
+
+    A row that needs CUDA would only say so: leaving it out of the worker's list keeps one line per workload about
+    them instead of one row each.
+
+    Args:
+        modes: The modes asked for, in order.
+        cuda: Whether this machine has CUDA.
+
+    Returns:
+        (the modes to run, the modes skipped), each in the given order.
+    """
+    skipped = [m for m in modes if MODES[m].needs_cuda and not cuda]
+    return [m for m in modes if m not in skipped], skipped
+
+
+def workload_spec(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """The workload as its worker would describe it: shrunk (and named ``tiny-...``) with ``--tiny``."""
+    return (tiny(WORKLOADS[workload]) if args.tiny else WORKLOADS[workload]).as_dict()
+
+
+def run_worker(
+    args: argparse.Namespace, workload: str, json_path: Path, timeout: float | None, cuda: bool = True
+) -> dict[str, Any]:
+    """Run one workload in its own process; return its JSON (partial if it crashed or timed out).
+
+    Args:
+        args: The parsed command line.
+        workload: The workload's name in :data:`~benchmarks.workloads.WORKLOADS`.
+        json_path: Where the worker writes its result.
+        timeout: Seconds before the worker is killed; ``None``: no limit.
+        cuda: Whether this machine has CUDA; without it the modes that need it are not run, and listed in the
+            result's ``skipped_need_cuda``.
+
+    Returns:
+        The worker's result, with ``error`` where it failed.
+    """
+    asked = args.modes if args.modes is not None else list(WORKLOADS[workload].modes)
+    modes, skipped = split_modes(asked, cuda)
     command = [
         sys.executable,
         "-m",
@@ -236,7 +281,9 @@ def run_worker(args: argparse.Namespace, workload: str, json_path: Path, timeout
     if json_path.exists():
         result = json.loads(json_path.read_text())
     else:
-        result = {"workload": WORKLOADS[workload].as_dict(), "rows": [], "env": {}}
+        result = {"workload": workload_spec(args, workload), "rows": [], "env": {}}
+    if skipped:
+        result["skipped_need_cuda"] = skipped
     if error:
         result["error"] = error
     return result
@@ -256,33 +303,69 @@ def _arguments(args: argparse.Namespace) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
+def skipped_summary(results: list[dict[str, Any]]) -> str | None:
+    """One line for the rows left out because they need CUDA (``None`` if none were)."""
+    skipped = {r["workload"]["name"]: r["skipped_need_cuda"] for r in results if r.get("skipped_need_cuda")}
+    if not skipped:
+        return None
+    modes = list(dict.fromkeys(m for names in skipped.values() for m in names))
+    count = sum(len(names) for names in skipped.values())
+    return f"not run without CUDA: {count} rows of {len(skipped)} workloads ({', '.join(modes)})"
+
+
 def run_workloads(args: argparse.Namespace, scratch: Path, started: float) -> int:
     results = []
+    cuda = cuda_available()
+    # Tiny models check the pipeline: their numbers are overhead-dominated noise, and verdicts on them would report
+    # misses (and passes) that mean nothing. Only full-size runs are judged.
+    judged = not args.tiny
     for workload in args.workloads:
-        print(f"=== {workload}", flush=True)
+        spec = workload_spec(args, workload)
+        print(f"=== {spec['name']}", flush=True)
         json_path = scratch / f"{workload}.worker.json"
         timeout = args.worker_timeout
         if args.deadline is not None:
             # Keep a few seconds for merging and writing the report after the last worker.
             left = args.deadline - (time.perf_counter() - started) - _REPORT_RESERVE_S
             if left < _MIN_WORKER_S:
-                results.append({"workload": WORKLOADS[workload].as_dict(), "rows": [], "error": "skipped: deadline"})
+                results.append({"workload": spec, "rows": [], "error": "skipped: deadline"})
                 continue
             timeout = left if timeout is None else min(timeout, left)
-        results.append(report.derive(run_worker(args, workload, json_path, timeout)))
-    print(report.terminal_table(results))
+        results.append(report.derive(run_worker(args, workload, json_path, timeout, cuda)))
+    print(report.terminal_table(results, judged=judged))
+    summary = skipped_summary(results)
+    if summary:
+        print(summary)
     if not measured(results):
         errors = "; ".join(f"{r['workload']['name']}: {r.get('error', 'no row measured')}" for r in results)
         print(f"nothing measured ({errors}): no report written to {args.out}")
         return 1
-    contents = {"results": results, "verdicts": report.verdicts_json(results)}
-    base, wall_s = _write_document(args, started, None, contents, report.markdown(results, args.device_name))
-    try:
-        report.plot(results, f"{base}.png")
-    except ImportError as err:  # matplotlib is optional (the ``plot`` extra): the numbers still get written
-        print(f"no plot: {err}")
-    print(f"wrote {base}.json, .md, .png in {wall_s:.0f} s")
-    return 0 if all("error" not in r for r in results) else 1
+    contents: dict[str, Any] = {"results": results}
+    if judged:
+        contents["verdicts"] = report.verdicts_json(results)
+    markdown = report.markdown(results, args.device_name, judged=judged)
+    base, wall_s = _write_document(args, started, None, contents, markdown)
+    written = [".json", ".md"]
+    if not report.plottable(results):
+        # The plot draws peak allocated memory, which only CUDA measures: without it every panel would be empty.
+        print("no plot: no row measured a peak of device memory (CUDA only)")
+    else:
+        try:
+            report.plot(results, f"{base}.png")
+            written.append(".png")
+        except ImportError as err:  # matplotlib is optional (the ``plot`` extra): the numbers still get written
+            print(f"no plot: {err}")
+    print(f"wrote {base}{', '.join(written)} in {wall_s:.0f} s")
+    failed = [f"{r['workload']['name']}: {r['error']}" for r in results if "error" in r]
+    if args.tiny:
+        rows = [(r["workload"]["name"], row) for r in results for row in r.get("rows", [])]
+        ran = sum(1 for _, row in rows if row.get("status") == "ok")
+        # A tiny model fits anywhere: a row that failed or ran out of memory is a broken pipeline, not a finding.
+        failed += [
+            f"{name}/{row['mode']}: {row['status']}" for name, row in rows if row["status"].startswith(("error", "OOM"))
+        ]
+        print(f"pipeline {'FAILED' if failed else 'OK'}, {ran} rows ran" + (f"; {'; '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 def _write_document(

@@ -286,12 +286,24 @@ CAPACITY_MAX_SEQ: dict[str, int] = {"smallvocab-h1024": 196608}
 
 # ``--tiny`` divides every byte knob by this, so the tiny tensors (kilobytes) meet the same decisions.
 TINY_BYTE_SCALE = 1024
+# A shrunken workload's name: ``tiny-llama8b-lora-s8k`` is a 64-wide, 2-layer model with that workload's structure
+# and modes, and its rows must not pass for the 8B model's.
+TINY_PREFIX = "tiny-"
 
 
 def tiny(workload: Workload) -> Workload:
-    """A shrunken copy of ``workload`` that runs on a CPU in seconds (same structure, same modes)."""
+    """A shrunken copy of ``workload`` that runs on a CPU in seconds (same structure, same modes).
+
+    Args:
+        workload: The full-size workload (or capacity model).
+
+    Returns:
+        The copy, named ``tiny-<name>``: hidden 64, 2 layers, a 512-token vocabulary, 128 tokens per sequence, at
+        most 2 sequences per step.
+    """
     return replace(
         workload,
+        name=TINY_PREFIX + workload.name,
         hidden=64,
         layers=2,
         intermediate=128,
@@ -338,3 +350,8 @@ def worker_modes(parser: argparse.ArgumentParser, text: str) -> list[str]:
     if unknown:
         parser.error(f"--modes {text!r}: unknown {unknown}; known: {sorted(MODES)}")
     return modes
+
+
+def full_name(name: str) -> str:
+    """The full-size workload (or capacity model) a name stands for: ``tiny-small-h512`` -> ``small-h512``."""
+    return name.removeprefix(TINY_PREFIX)

@@ -32,7 +32,10 @@ def test_tiny_capacity_pipeline(tmp_path: Path) -> None:
     document = json.loads((tmp_path / "cpu-capacity.json").read_text())
     assert document["kind"] == "capacity" and {v["key"] for v in document["verdicts"]} == {"B3", "B5"}
     results = document["capacity"]
-    assert [(r["model"]["name"], r["cap_gib"]) for r in results] == [("smallvocab-h1024", 24), ("smallvocab-h1024", 80)]
+    assert [(r["model"]["name"], r["cap_gib"]) for r in results] == [
+        ("tiny-smallvocab-h1024", 24),
+        ("tiny-smallvocab-h1024", 80),
+    ]
     longest = {}
     for result in results:
         assert result["simulated"] and result["model"]["hidden"] == 64
@@ -58,7 +61,7 @@ def test_tiny_capacity_pipeline(tmp_path: Path) -> None:
     first_80 = next(e for e in results[1]["searches"] if e["mode"] == "ac")["probes"][0]["seq"]
     assert first_80 == longest[(24, "ac")] + capacity.TINY_STEP
     text = (tmp_path / "cpu-capacity.md").read_text()
-    assert "Simulated caps (no CUDA)" in text and "## smallvocab-h1024" in text and "| B3 |" in text
+    assert "Simulated caps (no CUDA)" in text and "## tiny-smallvocab-h1024" in text and "| B3 |" in text
 
 
 def test_simulated_memory_orders_the_modes() -> None:
