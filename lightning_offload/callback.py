@@ -93,8 +93,9 @@ class ActivationOffloadCallback(Callback):
         )
         check_recompute(recompute, call, checkpoint)
         self._manual = RunCheckpointing(checkpoint, call, recompute) if checkpoint is not None else None
-        if checkpoint is not None and self.options.plans:  # else ``create`` has said why the budget goes unused
-            warn_unused_budget("ActivationOffloadCallback", memory_budget, f"checkpoint={checkpoint!r}")
+        # Said now, once: with compute_device=None the device is the module's, known in ``setup``, where off CUDA
+        # the callback says it offloads nothing at all.
+        warn_unused_budget("ActivationOffloadCallback", self.options, memory_budget, checkpoint)
         _check_reporting_args(values)
         self.progress_bar = progress_bar
         self._reporter = StepReporter(self.options, progress_bar)

@@ -92,10 +92,9 @@ def offload_activations(
         # Everything was checked above, so a wrong argument fails on every machine; here nothing more happens.
         warnings.warn(no_cuda_message("offload_activations", "CUDA is not available"), UserWarning, stacklevel=2)
         return IdleEngine(options, model=model, local_processes=local_processes)
+    warn_unused_budget("offload_activations", options, memory_budget, checkpoint)
     blocks = None
     if checkpoint is not None:
         blocks = WrappedBlocks(model, names, recompute)  # type: ignore[arg-type]
-        if options.plans:  # else ``create`` has said why the budget goes unused
-            warn_unused_budget("offload_activations", memory_budget, f"checkpoint={checkpoint!r}")
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
     return OffloadEngine(options, model=model, local_processes=local_processes, blocks=blocks)

@@ -263,13 +263,6 @@ class OffloadEngine:
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
-        if self.planner is None and self.options.plans and budget is not None:
-            # (``"auto"`` is the default: on a CPU it says nothing about what the user wants)
-            warnings.warn(
-                f"memory_budget={budget / (1 << 30):.2f} GiB: planning needs CUDA's allocator "
-                f"counters, and the engine runs on {str(device)!r}: every eligible activation is offloaded instead",
-                stacklevel=5,
-            )
         if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
             memory = self._memory if self._memory is not None else DeviceMemory(device)
             self._settling = SettledCache(memory, budget)

@@ -109,9 +109,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
     if idle:
         warnings.warn(no_cuda_message("fabric_offload", f"Fabric runs on {device}"), UserWarning, stacklevel=2)
         return IdleEngine(engine_options, model=model, local_processes=local_processes(fabric))
+    warn_unused_budget("fabric_offload", engine_options, options.get("memory_budget"), checkpoint)
     if checkpoint is not None:
-        if engine_options.plans:  # else ``create`` has said why the budget goes unused
-            warn_unused_budget("fabric_offload", options.get("memory_budget"), f"checkpoint={checkpoint!r}")
         # Checkpointing by hand: the user decides, as with ``offload_activations``.
         engine_options = dataclasses.replace(engine_options, memory_budget=None)
     # Selected (and the options checked) above: nothing left to fail once the blocks are wrapped.

@@ -141,18 +141,13 @@ class OffloadOptions:
 
     @classmethod
     def create(cls, caller: str, **kwargs: Any) -> OffloadOptions:
-        """Validate ``kwargs`` and return the options; ``caller`` names the call in error messages."""
+        """Validate ``kwargs`` and return the options; ``caller`` names the call in error messages. (A budget they
+        leave unused is said by the entry points, which know more: :func:`warn_unused_budget`.)"""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"{caller}() got unexpected argument(s) {unknown}; allowed: {sorted(known)}")
-        options = cls(**_validated(caller, kwargs))
-        if options.mode != "streamed":
-            warn_unused_budget(caller, kwargs.get("memory_budget"), f"mode={options.mode!r}", stacklevel=4)
-        elif options.max_offload_bytes is not None:
-            override = f"max_offload_bytes={options.max_offload_bytes}"
-            warn_unused_budget(caller, kwargs.get("memory_budget"), override, stacklevel=4)
-        return options
+        return cls(**_validated(caller, kwargs))
 
     def resolved_device(self) -> torch.device | None:
         """The compute device: the option if given, else the current CUDA device; ``None`` without CUDA.
@@ -188,16 +183,40 @@ def no_cuda_message(caller: str, where: str) -> str:
     )
 
 
-def warn_unused_budget(caller: str, memory_budget: Any, override: str, stacklevel: int = 3) -> None:
-    """Warn that a ``memory_budget`` the user gave (not the default ``"auto"``) goes unused beside ``override``, a
-    manual override or a mode that does not plan: the user asked for both, and only one can decide. ``stacklevel``:
-    as ``warnings.warn``'s, counted from this function (3: the caller of the function that calls it)."""
+def warn_unused_budget(
+    caller: str, options: OffloadOptions, memory_budget: Any, checkpoint: Any = None, stacklevel: int = 3
+) -> None:
+    """Say, once and as the call is made, that a ``memory_budget`` the user gave (not the default ``"auto"``) is not
+    used because no planner can run: the mode does not plan, a manual override (``max_offload_bytes``,
+    ``checkpoint``) switches it off, or the compute device is the CPU. One reason, the first of these, is said.
+
+    Args:
+        caller: the entry point, quoted.
+        options: the validated options.
+        memory_budget: the budget as the user gave it (quoted as given).
+        checkpoint: the entry point's ``checkpoint`` argument.
+        stacklevel: as ``warnings.warn``'s, counted from this function (3: the caller of the entry point).
+    """
     if memory_budget is None or memory_budget == "auto":
         return
+    overrides = "the memory-budget planner needs mode='streamed' and no manual override (max_offload_bytes=, "
+    overrides += "checkpoint=). Pass one or the other."
+    if options.mode != "streamed":
+        given, why = f"mode={options.mode!r}", overrides
+    elif options.max_offload_bytes is not None:
+        given, why = f"max_offload_bytes={options.max_offload_bytes}", overrides
+    elif checkpoint is not None:
+        given, why = f"checkpoint={checkpoint!r}", overrides
+    elif options.compute_device is not None and options.compute_device.type == "cpu":
+        given = "compute_device='cpu'"
+        why = (
+            "the memory-budget planner needs a CUDA device (it reads CUDA's allocator counters). Leave memory_budget "
+            "out on the CPU."
+        )
+    else:
+        return
     warnings.warn(
-        f"{caller}(memory_budget={memory_budget!r}, {override}): memory_budget is not used; the memory-budget "
-        "planner needs mode='streamed' and no manual override (max_offload_bytes=, checkpoint=). Pass one or the "
-        "other.",
+        f"{caller}(memory_budget={memory_budget!r}, {given}): memory_budget is not used: {why}",
         UserWarning,
         stacklevel=stacklevel,
     )

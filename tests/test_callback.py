@@ -70,10 +70,17 @@ def _pool_starts_empty() -> Iterator[None]:
 
 
 def offload_callback(**kwargs: Any) -> ActivationOffloadCallback:
-    """A callback that offloads every eligible CPU tensor (no size threshold, no resident tail)."""
+    """A callback that offloads every eligible CPU tensor (no size threshold, no resident tail).
+
+    Under a ``memory_budget`` it says, as it is made, that no planner can run on the CPU: true in a real run, and
+    expected here, where the tests that plan give the planner fake allocator counters (``planner_for_counters``).
+    """
     options: dict[str, Any] = {"compute_device": "cpu", "min_tensor_bytes": 0, "resident_tail_bytes": 0}
     options.update(kwargs)
-    return ActivationOffloadCallback(**options)
+    if options.get("memory_budget", "auto") in (None, "auto"):
+        return ActivationOffloadCallback(**options)
+    with pytest.warns(UserWarning, match=r"memory_budget is not used: the memory-budget planner needs a CUDA device"):
+        return ActivationOffloadCallback(**options)
 
 
 def batches(n: int, shape: tuple[int, ...] = (BATCH, WIDTH), seed: int = 0) -> list[torch.Tensor]:
@@ -1037,6 +1044,20 @@ def test_cpu_without_compute_device_warns_once_and_does_nothing(tmp_path: Path) 
     assert module.forward_log == [(False, 0), (False, 0)]
     assert_same_training(module, plain)
     assert_clean(callback)
+
+
+def test_a_budget_on_the_cpu_is_said_once_as_the_callback_is_made_and_the_fit_says_nothing_more(
+    tmp_path: Path,
+) -> None:
+    """A budget no planner can use (the CPU) is said as the callback is made (``offload_callback`` expects it), not
+    at the first batch; the fit then trains offloading, as without a budget, and says nothing more about it."""
+    callback = offload_callback(memory_budget="2GiB")
+    module = LitNet(offload=callback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, module, batches(2), [callback])
+    assert not [str(w.message) for w in caught if "memory_budget" in str(w.message)]
+    assert callback.stats.offloaded_bytes > 0
 
 
 def test_two_callbacks_rejected_at_setup(tmp_path: Path) -> None:

@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_offload import ActivationOffloadCallback, OffloadOptions, offload_activations
 from lightning_offload.checkpointing import checkpointed_modules, remove_checkpointing
+from lightning_offload.fabric import fabric_offload
 from lightning_offload.options import MODES, ON_HOST_FULL
 from tests.models import top_hooks
 
@@ -350,6 +352,44 @@ def test_a_float_byte_count_is_refused_asking_for_an_integer(value: Any) -> None
         message = str(info.value)
         assert message.startswith(f"offload_activations({name}={value!r}): {name} must be"), message
         assert "an integer" in message and "'512MiB'" in message and "'2GB'" in message, message
+
+
+def unplanned_on_the_cpu(call: str) -> str:
+    return (
+        f"{call}(memory_budget='2GiB', compute_device='cpu'): memory_budget is not used: the memory-budget planner "
+        "needs a CUDA device (it reads CUDA's allocator counters). Leave memory_budget out on the CPU."
+    )
+
+
+def test_a_budget_given_where_no_planner_can_run_is_said_at_construction_once() -> None:
+    """On the CPU no planner can run: a budget the user gave is said to go unused as each entry point is called,
+    quoting the call and pointing at the user's line, once (it was said at the first batch, attributed to a Lightning
+    file, claiming that every eligible activation is offloaded, which the resident tail made false). Running says
+    nothing more; the default ``"auto"`` says nothing at all."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine = offload_activations(compute_device="cpu", model=model, memory_budget="2GiB", min_tensor_bytes=0)
+        ActivationOffloadCallback(compute_device="cpu", memory_budget="2GiB")
+        fabric_offload(fabric, model, compute_device="cpu", memory_budget="2GiB")
+        for _ in range(2):
+            with engine:
+                loss = model(x).sum()
+            loss.backward()
+    calls = ("offload_activations", "ActivationOffloadCallback", "fabric_offload")
+    assert [str(w.message) for w in said] == [unplanned_on_the_cpu(call) for call in calls]
+    assert {w.filename for w in said} == {__file__}
+    assert engine.planner is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = offload_activations(compute_device="cpu", model=model, min_tensor_bytes=0)
+        ActivationOffloadCallback(compute_device="cpu")
+        fabric_offload(fabric, model, compute_device="cpu")
+        with engine:
+            loss = model(x).sum()
+        loss.backward()
 
 
 def test_byte_options_take_any_integer_type_and_keep_plain_ints() -> None:
