@@ -257,10 +257,43 @@ def test_offload_group_defaults(tmp_path: Path) -> None:
     assert held(callback) == held(ActivationOffloadCallback())
 
 
-def test_invalid_mode_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        OffloadCLI(BoringModel, BoringDataModule, run=False, args=["--offload.mode=fast"])
-    assert "offload.mode" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "first"),
+    [
+        (
+            ["--offload.mode=fast"],
+            "error: ActivationOffloadCallback(mode='fast'): mode must be one of ['streamed', 'sync', 'off']",
+        ),
+        (
+            ["fit", "--offload.on_host_full=later"],
+            "error: ActivationOffloadCallback(on_host_full='later'): on_host_full must be one of ['warn', 'error']",
+        ),
+        (
+            ["--offload.memory_budget=40 parsecs"],
+            "error: ActivationOffloadCallback(memory_budget='40 parsecs'): memory_budget must be 'auto', None, an "
+            "integer byte count > 0 or a size string such as '40GiB', '512MiB' or '2GB' (GB = 10**9 bytes, GiB = G = "
+            "2**30)",
+        ),
+        (
+            [f"--trainer.callbacks+={CLASS_PATH}", "--trainer.callbacks.init_args.max_offload_bytes=1.5"],
+            "error: ActivationOffloadCallback(max_offload_bytes='1.5'): max_offload_bytes must be an integer byte "
+            "count >= 0 or a size string such as '512MiB', '2GiB' or '2GB' (GB = 10**9 bytes, GiB = G = 2**30), or "
+            "None",
+        ),
+    ],
+)
+def test_a_bad_value_on_the_command_line_shows_our_one_line_message_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], first: str
+) -> None:
+    """A bad value printed an 85-line traceback (or the whole usage) with our message buried inside: the CLI's first
+    line is now the message, quoting the call, and it exits with status 2, as argparse does."""
+    with pytest.raises(SystemExit) as info:
+        run = args[0] == "fit"  # a subcommand (the bad value stops it before anything runs)
+        OffloadCLI(BoringModel, BoringDataModule, run=run, args=[*args, f"--trainer.default_root_dir={tmp_path}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == first, err[:2000]
+    assert "Traceback" not in err and "usage:" not in err
 
 
 def test_offload_flags_win_over_a_listed_callback_even_at_their_defaults(tmp_path: Path) -> None:
@@ -287,6 +320,26 @@ def test_offload_cli_with_the_fragment_keeps_user_callbacks_and_applies_every_fl
     cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=args)
     callback = assert_user_callbacks_kept(cli.trainer.callbacks)
     assert held(callback) == {name: value for name, (_, value) in NON_DEFAULT.items()}
+
+
+def test_offload_cli_keeps_the_fragment_whatever_the_config_order(tmp_path: Path) -> None:
+    """``--config <fragment> --config my.yaml``: my.yaml's own ``trainer.callbacks:`` list replaces the fragment's
+    ``callbacks+`` entry (YAML lists do not merge), which dropped the fragment's settings silently. OffloadCLI keeps
+    them, in either order, with the user's callbacks, and flags still win."""
+    fragment = yaml.safe_load(FRAGMENT.read_text())
+    fragment["trainer"]["callbacks+"]["init_args"].update(mode="sync", min_tensor_bytes="2MiB")
+    edited = tmp_path / "offload.yaml"
+    edited.write_text(yaml.safe_dump(fragment))
+    user = write_user_config(tmp_path)
+    for configs in ([edited, user], [user, edited]):
+        args = [f"--config={path}" for path in configs]
+        cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=args)
+        callback = assert_user_callbacks_kept(cli.trainer.callbacks)
+        assert (callback.options.mode, callback.options.min_tensor_bytes) == ("sync", 2 << 20), configs
+    args = [f"--config={edited}", f"--config={user}", "--offload.mode=off"]
+    cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=args)
+    callback = assert_user_callbacks_kept(cli.trainer.callbacks)
+    assert (callback.options.mode, callback.options.min_tensor_bytes) == ("off", 2 << 20)
 
 
 # ------------------------------------------------------------------ --help and the example
