@@ -104,6 +104,7 @@ class OffloadEngine:
         # The input named before the planner existed, in a tuple (see input_changed; ``None`` is a key too).
         self._first_input: tuple[Hashable] | None = None
         self._counted: list[StorageCopy] = []  # mode="off": what the open forward would offload (kept for dedup)
+        self._said_tail = False  # whether a forward that fell wholly in the resident tail was said (once per engine)
 
     @property
     def device(self) -> torch.device | None:
@@ -432,6 +433,8 @@ class OffloadEngine:
         offloaded = self._outbound.end_forward(self._stats)
         self._counted = []
         saved = self._log.close_forward()
+        if not offloaded and not self._said_tail:
+            self._say_if_all_in_tail(saved)
         self._transfer.forward_ended(saved)
         if policy.backward_running():  # the first unpack: backward has started; time it, and note its peak
             self._transfer.backward_started(saved)
@@ -440,6 +443,25 @@ class OffloadEngine:
                 self._inbound.hold_above = self.planner.head_start(self._log.position - saved, self._log.position)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self._inbound.add_forward(offloaded)
+
+    def _say_if_all_in_tail(self, saved: int) -> None:
+        """Say, once, that a forward which offloaded nothing saved less than the resident tail: a model that small
+        offloads nothing however often it runs, while offloading was asked for. Not where a memory-budget plan keeps
+        everything (no hooks, no forward here) or a measuring step keeps what fits (its tail is not the option's)."""
+        outbound = self._outbound
+        assert outbound is not None
+        tail = outbound.default_tail
+        if self.options.mode == "off" or outbound.tail != tail or not 0 < saved <= tail:
+            return
+        self._said_tail = True
+        warnings.warn(
+            f"lightning_offload: nothing offloaded, because all {saved / (1 << 20):.3g} MiB eligible fell in the "
+            f"resident tail: a forward saved less than resident_tail_bytes ({tail / (1 << 20):.3g} MiB), the bytes "
+            "backward needs first, which stay on the device. Lower resident_tail_bytes (to '16MiB', say, or 0) to "
+            "offload a forward this small.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _backward_finished(self) -> None:
         self._transfer.backward_ended()

@@ -1023,6 +1023,20 @@ def test_copy_bandwidth_is_logged_only_for_copies_that_were_timed(
 # ---------------------------------------------------------------------------------------------- configuration
 
 
+def test_a_fit_whose_forwards_fit_in_the_resident_tail_says_it_offloads_nothing_once_per_fit(tmp_path: Path) -> None:
+    """Every forward of this small model saves less than the default ``resident_tail_bytes`` (256 MiB), so nothing
+    leaves the device: said once per fit (not per batch), and again in the next fit."""
+    callback = offload_callback(resident_tail_bytes="256MiB")
+    for run in ("first", "second"):
+        module = LitNet(offload=callback)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(tmp_path / run, module, batches(3), [callback], max_steps=3)
+        said = [str(w.message) for w in caught if "resident tail" in str(w.message)]
+        assert len(said) == 1 and said[0].startswith("lightning_offload: nothing offloaded, because all "), said
+        assert callback.stats.eligible_bytes > 0 and callback.stats.offloaded_bytes == 0
+
+
 def test_cpu_without_compute_device_warns_once_and_does_nothing(tmp_path: Path) -> None:
     data = batches(2)
     plain = LitNet()

@@ -371,7 +371,9 @@ def test_a_budget_given_where_no_planner_can_run_is_said_at_construction_once() 
     fabric = Fabric(accelerator="cpu", devices=1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        engine = offload_activations(compute_device="cpu", model=model, memory_budget="2GiB", min_tensor_bytes=0)
+        engine = offload_activations(
+            compute_device="cpu", model=model, memory_budget="2GiB", min_tensor_bytes=0, resident_tail_bytes=0
+        )
         ActivationOffloadCallback(compute_device="cpu", memory_budget="2GiB")
         fabric_offload(fabric, model, compute_device="cpu", memory_budget="2GiB")
         for _ in range(2):
@@ -381,10 +383,10 @@ def test_a_budget_given_where_no_planner_can_run_is_said_at_construction_once() 
     calls = ("offload_activations", "ActivationOffloadCallback", "fabric_offload")
     assert [str(w.message) for w in said] == [unplanned_on_the_cpu(call) for call in calls]
     assert {w.filename for w in said} == {__file__}
-    assert engine.planner is None
+    assert engine.planner is None and engine.stats.offloaded_bytes > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine = offload_activations(compute_device="cpu", model=model, min_tensor_bytes=0)
+        engine = offload_activations(compute_device="cpu", model=model, min_tensor_bytes=0, resident_tail_bytes=0)
         ActivationOffloadCallback(compute_device="cpu")
         fabric_offload(fabric, model, compute_device="cpu")
         with engine:
