@@ -260,7 +260,8 @@ def test_a_hugging_face_decoder_layer_checkpointed_by_its_parts_saves_each_parts
         engine = offload_activations(mode="off", memory_budget=None, compute_device="cpu", min_tensor_bytes=0)
         blocks.watch(lambda engine=engine: engine.collect_stats(wait=False).eligible_bytes)
         with engine:
-            loss = model(input_ids=ids, labels=ids).loss
+            # use_cache=False as a training loop passes it: a checkpointed block would drop the cache (and warn).
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         blocks.unwatch()
         per_token[split] = blocks.sizes()
