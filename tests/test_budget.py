@@ -1414,7 +1414,8 @@ def test_planning_is_off_for_manual_overrides_and_without_device_memory() -> Non
         pass
     assert engine.planner is None
     model = Stack()
-    engine = offload_activations(compute_device="cpu", model=model, checkpoint="auto", memory_budget="1GiB")
+    with pytest.warns(UserWarning, match=r"memory_budget is not used: .*no manual override"):
+        engine = offload_activations(compute_device="cpu", model=model, checkpoint="auto", memory_budget="1GiB")
     assert not engine.options.plans  # checkpointing by hand switches planning off
 
 

@@ -12,6 +12,7 @@ import inspect
 import runpy
 import subprocess
 import sys
+from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,14 @@ def assert_user_callbacks_kept(callbacks: list[Any]) -> ActivationOffloadCallbac
     return ours[0]
 
 
+def budget_unused() -> pytest.WarningsChecker:
+    """NON_DEFAULT sets ``memory_budget`` beside ``mode="sync"`` (or ``"off"``): a budget no planner can use, which the
+    callback says as it is built."""
+    return pytest.warns(
+        UserWarning, match=r"memory_budget is not used: the memory-budget planner needs mode='streamed'"
+    )
+
+
 def test_every_option_has_a_test_value() -> None:
     missing = [name for name in PARAMETERS if name not in NON_DEFAULT]
     assert not missing, f"NON_DEFAULT lacks a non-default command-line value for {missing}"
@@ -124,7 +133,8 @@ def test_every_option_has_a_test_value() -> None:
 def test_fragment_appends_to_a_user_config_and_every_flag_applies(tmp_path: Path) -> None:
     flags = [f"--trainer.callbacks.init_args.{name}={text}" for name, (text, _) in NON_DEFAULT.items()]
     args = [f"--config={write_user_config(tmp_path)}", f"--config={FRAGMENT}", *flags]
-    cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=args)
+    with budget_unused():
+        cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=args)
     callback = assert_user_callbacks_kept(cli.trainer.callbacks)
     assert held(callback) == {name: value for name, (_, value) in NON_DEFAULT.items()}
 
@@ -246,7 +256,10 @@ def test_pytorch_lightning_cli_rejects_the_lightning_class_and_the_readme_says_w
 
 def test_offload_flags_on_any_model(tmp_path: Path) -> None:
     flags = [f"--offload.{name}={text}" for name, (text, _) in NON_DEFAULT.items()]
-    cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=[f"--trainer.default_root_dir={tmp_path}", *flags])
+    with budget_unused():
+        cli = OffloadCLI(
+            BoringModel, BoringDataModule, run=False, args=[f"--trainer.default_root_dir={tmp_path}", *flags]
+        )
     (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
     assert held(callback) == {name: value for name, (_, value) in NON_DEFAULT.items()}
 
@@ -309,7 +322,8 @@ def test_offload_flags_win_over_a_listed_callback_even_at_their_defaults(tmp_pat
 def test_listed_callback_configures_offload_cli_where_no_flag_is_given(tmp_path: Path) -> None:
     entry = {name: yaml.safe_load(text) for name, (text, _) in NON_DEFAULT.items()}
     user = write_user_config(tmp_path, offload_entry=entry)
-    cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=[f"--config={user}", "--offload.mode=off"])
+    with budget_unused():
+        cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=[f"--config={user}", "--offload.mode=off"])
     callback = assert_user_callbacks_kept(cli.trainer.callbacks)
     assert held(callback) == {**{name: value for name, (_, value) in NON_DEFAULT.items()}, "mode": "off"}
 
@@ -317,7 +331,8 @@ def test_listed_callback_configures_offload_cli_where_no_flag_is_given(tmp_path:
 def test_offload_cli_with_the_fragment_keeps_user_callbacks_and_applies_every_flag(tmp_path: Path) -> None:
     flags = [f"--offload.{name}={text}" for name, (text, _) in NON_DEFAULT.items()]
     args = [f"--config={write_user_config(tmp_path)}", f"--config={FRAGMENT}", *flags]
-    cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=args)
+    with budget_unused():
+        cli = OffloadCLI(BoringModel, BoringDataModule, run=False, args=args)
     callback = assert_user_callbacks_kept(cli.trainer.callbacks)
     assert held(callback) == {name: value for name, (_, value) in NON_DEFAULT.items()}
 
@@ -440,7 +455,10 @@ def test_offload_cli_takes_required_arguments_from_default_config_files(tmp_path
     (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationOffloadCallback)]
     assert callback.options.mode == "sync"
     args = ["fit", "--offload.mode=off", "--trainer.max_steps=1", "--trainer.logger=false"]
-    cli = OffloadCLI(
-        WidthModel, BoringDataModule, args=args, parser_kwargs={"fit": {"default_config_files": [defaults]}}
-    )
+    # The fit runs on the CPU here: the callback says it offloads nothing there (on a GPU it would run).
+    no_cuda = pytest.warns(UserWarning, match="no CUDA device") if not torch.cuda.is_available() else nullcontext()
+    with no_cuda:
+        cli = OffloadCLI(
+            WidthModel, BoringDataModule, args=args, parser_kwargs={"fit": {"default_config_files": [defaults]}}
+        )
     assert cli.model.width == 3 and cli.trainer.global_step == 1

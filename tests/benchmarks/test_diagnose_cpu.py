@@ -3,6 +3,7 @@ default steps alike."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +19,14 @@ from lightning_offload.policy import backward_running
 def test_diagnose_records_each_step_with_its_waits_and_offloaded_bytes(tmp_path: Path) -> None:
     out = tmp_path / "d.json"
     args = ["--workload", "small-h512", "--budget-gib", "2", "--steps", "2", "--tiny", "--out", str(out)]
-    assert diagnose.main(args) == 0
+    # Off CUDA the engine says the budget goes unused (no allocator counters to plan by); the run still records.
+    unused = (
+        pytest.warns(UserWarning, match="memory_budget is not used: the memory-budget planner needs a CUDA device")
+        if not torch.cuda.is_available()
+        else contextlib.nullcontext()
+    )
+    with unused:
+        assert diagnose.main(args) == 0
     result = json.loads(out.read_text())
     assert [s["step"] for s in result["steps"]] == [0, 1]
     for step in result["steps"]:
