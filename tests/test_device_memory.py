@@ -160,7 +160,10 @@ def test_an_engine_that_does_not_plan_empties_the_cache_after_its_first_optimize
     memory.allocated = lambda: memory.allocated_bytes  # type: ignore[attr-defined]
     memory.alloc_retries = lambda: 0  # type: ignore[attr-defined]
     engine = OffloadEngine(
-        OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, **options), model=model, memory=memory
+        # No resident tail: this small model's forward would otherwise stay wholly on the device (and be said to).
+        OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0, **options),
+        model=model,
+        memory=memory,
     )
     released = []
     for _ in range(5):
@@ -213,7 +216,9 @@ def test_a_closed_engine_stops_listening_to_optimizer_steps() -> None:
     memory = Counters(peak=10 * GiB, reserved=13 * GiB, allocated=4 * GiB)
     memory.allocated = lambda: memory.allocated_bytes  # type: ignore[attr-defined]
     engine = OffloadEngine(
-        OffloadOptions.create("test", compute_device="cpu", min_tensor_bytes=0, memory_budget=None),
+        OffloadOptions.create(
+            "test", compute_device="cpu", min_tensor_bytes=0, resident_tail_bytes=0, memory_budget=None
+        ),
         model=model,
         memory=memory,
     )
