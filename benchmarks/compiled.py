@@ -10,7 +10,7 @@ Per arm: peak allocated GiB, median step seconds, GiB offloaded (a budget arm: t
 per compile mode: whether the gradients with the engine equal those without, bit for bit (same weights, same batch,
 deterministic kernels, and whether two runs without it agree). One process::
 
-    python -m benchmarks.compiled out.json [layers seq]
+    python -m benchmarks.compiled out.json [layers seq [hidden]]
     DEVICE=cpu python -m benchmarks.compiled out.json 2 256   # the loop on the CPU (aot_eager; no memory counters)
 """
 
@@ -116,12 +116,21 @@ def main(argv: list[str]) -> int:
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (read as cuBLAS starts: deterministic products)
     workload = dataclasses.replace(CAPACITY_MODELS["smallvocab-h1024"], layers=layers, seq=seq)
+    if len(argv) > 3:  # a narrower model of the same shape (a CPU check of the loop: a CI machine's cores are slow)
+        hidden = int(argv[3])
+        workload = dataclasses.replace(
+            workload,
+            hidden=hidden,
+            intermediate=hidden * workload.intermediate // workload.hidden,
+            heads=hidden // 64,
+            kv_heads=max(1, hidden // 64 * workload.kv_heads // workload.heads),
+        )
     torch.manual_seed(0)
     bench = build(workload, device)
     ids = torch.randint(0, workload.vocab, (1, seq), device=device)
     offload: dict[str, Any] = {"memory_budget": None}
     if device.type != "cuda":  # (a small model: nothing would leave past the resident tail)
-        offload.update(compute_device="cpu", resident_tail_bytes=0)
+        offload.update(compute_device="cpu", resident_tail_bytes=0, min_tensor_bytes=0)
     results: dict[str, Any] = {"workload": dataclasses.asdict(workload), "backend": backend, "arms": {}}
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for how in ("eager", "whole", "blocks"):

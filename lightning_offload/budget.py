@@ -39,7 +39,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -86,6 +86,15 @@ _MIN_MARGIN = 3 * GiB
 # above their predictions and reserved 1.99 GiB in a fresh process, and ran out of memory in two of five benchmark runs.
 _PLAN_MARGIN_SHARE = 0.05
 _RESERVED_GAP_FACTOR = 1.5
+# The fit margin (see BudgetPlanner.fit_margin): no plan runs whose predicted peak comes within it of the budget. It is
+# at least this share of the room the budget leaves above the step's base (weights, optimizer state, gradients: what the
+# model cannot get wrong), before any planned step was seen and after, and at least _FIT_ERROR_FACTOR x the largest
+# error planned steps of the input showed. Why a share of the room: the model's errors and the allocator's fragments
+# come from what it predicts (activations, the loss's transients, their layout), not from the weights. On an H200 a
+# model zoo's planned steps peaked up to 0.22 GiB above their predictions, and a hard cap that failed a 1000 MiB request
+# found 0.27 GiB of fragments reserved (a 6.01 GiB cap over a 1.96 GiB base: 8.6% of the room together).
+_FIT_ROOM_SHARE = 0.10
+_FIT_ERROR_FACTOR = 1.25
 # Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
 # allocated at the first step), so the second is the one every later step looks like.
 _MEASURED_STEPS = 2
@@ -125,6 +134,44 @@ _MISLED_INPUTS = 4096
 # Steps of the current plan an input remembers, to tell whether two slow forwards were two of its steps in a row.
 _PLAN_STEPS_KEPT = 4
 _NO_INPUT: Any = object()  # no input named yet
+
+
+_OBSERVED_STEPS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class StepObservation:
+    """One step as the planner saw it (bytes): what it held as each phase ended against what its plan predicted.
+
+    Attributes:
+        step: the planner's step number.
+        input: the input's key, as text.
+        kind: ``"measuring"``, ``"trial"`` (a plan timed against others) or ``"planned"``.
+        base: allocated as the step began (weights, gradients kept, optimizer state).
+        forward: the step's peak as backward began (forward's and the loss's; 0: not seen, no hooks).
+        head: the peak as backward left the head (0: not seen).
+        backward: the peak as backward ended (0: not seen).
+        peak: the step's peak, the optimizer's step included.
+        predicted: the plan's predicted peak (0: a measuring step).
+        predicted_phases: the plan's predicted peak of each phase (forward, head, blocks' backward, optimizer), where
+            the plan counts them apart.
+        budget: the budget the step ran under.
+    """
+
+    step: int
+    input: str
+    kind: str
+    base: int
+    forward: int
+    head: int
+    backward: int
+    peak: int
+    predicted: int
+    predicted_phases: tuple[int, ...]
+    budget: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -294,6 +341,11 @@ class BudgetPlanner:
         self._borrowed = False  # the current input runs a larger input's plan, unmeasured (see _keeping_lender)
         # Inputs a lent plan misled (peaked past it, ran out of memory): they measure, and never borrow again.
         self._misled_inputs: OrderedDict[Hashable, None] = OrderedDict()  # (up to _MISLED_INPUTS)
+        # What each step held, phase by phase, against what its plan predicted (the latest _OBSERVED_STEPS steps): the
+        # planner's own error, read by the fit margin and by whoever asks how well the model predicts.
+        self.observations: deque[StepObservation] = deque(maxlen=_OBSERVED_STEPS)
+        self._step_base = 0  # allocated bytes as the step began
+        self._seen_head_peak = 0  # the step's peak as its backward left the head (any step with hooks)
 
     @property
     def measuring(self) -> bool:
@@ -316,11 +368,28 @@ class BudgetPlanner:
         return self._trials.timed_steps()
 
     @property
+    def fit_margin(self) -> int:
+        """How far below the budget every plan's predicted peak stays (bytes): the guarantee that a plan fits.
+
+        At least ``_FIT_ROOM_SHARE`` of the room the budget leaves above the step's base (a conservative prior, in force
+        from the first planned step on) and ``_FIT_ERROR_FACTOR`` times the largest error planned steps of this input
+        showed (:attr:`StepProfile.fit_error`: peaks above their predictions, fragments a pressed allocator held, the
+        request that failed). It never shrinks for an input: a plan relaxed towards the budget after lighter steps can
+        pass a hard cap at the next."""
+        p = self.profile
+        base = p.base if p is not None and p.base else self._base
+        margin = int(_FIT_ROOM_SHARE * max(0, self.budget - base))
+        if p is not None:
+            margin = max(margin, int(_FIT_ERROR_FACTOR * p.fit_error))
+        return margin
+
+    @property
     def plan_budget(self) -> int:
-        """What plans aim for: a little less than the budget (the allocator rounds blocks up, and a hard cap counts
-        reserved bytes), or less again where the measuring step's allocator, pressed, reserved far past its peak: by
-        one and a half times that gap and the misprediction a planned step may have before it replans."""
-        margin = int(self.budget * _PLAN_MARGIN_SHARE)
+        """What plans aim for: the budget less :attr:`fit_margin`, and at least a little less than the budget (the
+        allocator rounds blocks up, and a hard cap counts reserved bytes), or less again where the measuring step's
+        allocator, pressed, reserved far past its peak: by one and a half times that gap and the misprediction a planned
+        step may have before it replans."""
+        margin = max(int(self.budget * _PLAN_MARGIN_SHARE), self.fit_margin)
         if self._reserved_gap:
             margin = max(margin, int(_RESERVED_GAP_FACTOR * self._reserved_gap + _REPLAN_SHARE * self.budget))
         return self.budget - margin
@@ -328,11 +397,12 @@ class BudgetPlanner:
     @property
     def keeping_budget(self) -> int:
         """What plans that offload nothing aim for: :attr:`plan_budget`, or, where the allocator maps expandable
-        segments, at most the margin and the replanning share below the budget (see ``_KEEPING_MARGIN_SHARE``)."""
+        segments, at most the margin and the replanning share below the budget (see ``_KEEPING_MARGIN_SHARE``), and
+        never within :attr:`fit_margin` of it."""
         aim = self.plan_budget
         if not self._expandable():
             return aim
-        return max(aim, self.budget - int(self.budget * _KEEPING_MARGIN_SHARE))
+        return max(aim, self.budget - max(int(self.budget * _KEEPING_MARGIN_SHARE), self.fit_margin))
 
     def candidates(self) -> list[Plan]:
         """The plans the current profile offers (:func:`~lightning_offload.schedule.plan_candidates`): under
@@ -410,6 +480,7 @@ class BudgetPlanner:
         if self._measuring:
             self._head_peak = self.memory.peak()
             self._head_allocated = max(0, self.memory.allocated() - in_flight)
+        self._seen_head_peak = self.memory.peak()
 
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again at the next ``measuring_steps`` steps (the model changed, or the optimizer: 2 when the
@@ -583,15 +654,19 @@ class BudgetPlanner:
         self._backward_peak = 0
         self.forward_peak = 0  # unknown until backward begins (a step without hooks never says)
         self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
+        self._seen_head_peak = 0
+        self._step_base = self.memory.allocated()
         self._reserved_at_start = self._counter("reserved")
         if not self.owns_peaks:
             # The caller's counters still hold the reserved peak from before the cache was emptied: that is not this
             # step reserving past the budget.
             self._reserved_at_start = max(self._reserved_at_start, held)
-        if self._trials.trying:  # a plan under trial notes whether its steps flush the allocator's cache
-            self._retries_at_start = self._counter("alloc_retries")
+        # Whether the step flushes the allocator's cache: a plan under trial is timed with it, and a pressed allocator's
+        # fragments count in the fit margin.
+        self._retries_at_start = self._counter("alloc_retries")
         self.step += 1
         if self._measure_left <= 0 and self.profile is not None and self.plan is not None:
+            self._follow_base()
             self._blocks.checkpoint_last(self.plan.checkpoint_blocks, self.plan.split, self.plan.light_blocks)
             if self._plan_since is None:
                 self._plan_since = self.step
@@ -632,7 +707,28 @@ class BudgetPlanner:
         self._blocks.watch(position)
         return None
 
-    def abandon_step(self, out_of_memory: bool = False) -> None:
+    def _follow_base(self) -> None:
+        """A planned step that begins with more allocated than the step its profile was measured from holds that much
+        more in every phase: the plan is corrected before the step runs, not after it failed. Gradients accumulate over
+        micro-batches, the optimizer allocates its state at its first step (which measuring steps of micro-batches never
+        reach), Lightning keeps the last step's gradients through the next forward, an evaluation leaves tensors: on an
+        H200, a zoo's configurations with gradient accumulation ran out of memory at their first optimizer step's
+        next step, planned from micro-batches measured without the optimizer's state."""
+        p = self.profile
+        assert p is not None
+        grown = self._step_base - p.base
+        if grown <= self.budget * _REPLAN_SHARE / 2:
+            return
+        _log.info(
+            "memory_budget=%.2f GiB: the step begins with %.2f GiB more allocated than the measured one (gradients, "
+            "optimizer state); planning again",
+            self.budget / GiB,
+            grown / GiB,
+        )
+        self.profile = dataclasses.replace(p, base=self._step_base, correction=p.correction + grown)
+        self._choose(memory=True)
+
+    def abandon_step(self, out_of_memory: bool = False, request: int = 0) -> None:
         """The step :meth:`begin_step` started raised (the engine dropped what it held), or is dropped by a replan.
         A measuring step is measured again, and its failure is not counted as ended: counted, it took one of a replan's
         measuring steps (on an H200 the capacity search's next probe, Llama-1B at 10240 tokens under 24 GiB, planned
@@ -662,8 +758,14 @@ class BudgetPlanner:
             self._note_misled()
             return
         if out_of_memory and plan is not None and profile is not None:
-            heavier = max(0, self.memory.peak() - plan.peak) + int(self.budget * _REPLAN_SHARE)
-            self.profile = dataclasses.replace(profile, correction=profile.correction + heavier)
+            # What the step needed: its peak before the failure and the request that failed (``request``, read from
+            # the error; at least the replanning share where unknown), plus the fragments the allocator held then.
+            fragments = max(0, self._counter("reserved") - self.memory.allocated())
+            need = self.memory.peak() + (request or int(self.budget * _REPLAN_SHARE)) + fragments
+            heavier = max(0, need - plan.peak - self.fit_margin) + int(self.budget * _REPLAN_SHARE)
+            self.profile = dataclasses.replace(
+                profile, correction=profile.correction + heavier, fit_error=max(profile.fit_error, fragments)
+            )
             self._choose(memory=True)
 
     def cache_emptied(self) -> None:
@@ -692,6 +794,7 @@ class BudgetPlanner:
         # The peak noted when backward finished, or read now: a caller may reset the counters between steps (a
         # benchmark, a logger), and the optimizer may allocate its state after backward.
         peak, self._backward_peak = max(self._backward_peak, self.memory.peak()), 0
+        self._observe(peak)
         if self._measuring:
             self._measuring = False
             self._measure_left -= 1
@@ -719,7 +822,7 @@ class BudgetPlanner:
             p, plan = self.profile, self.plan
             trying = self._trials.trying  # this step timed a plan (the trials may end as it is counted)
             # (Each read of the allocator's counters costs a copy of all of them: only while plans are under trial.)
-            flushed = self._trials.trying and self._counter("alloc_retries") > self._retries_at_start
+            flushed = self._counter("alloc_retries") > self._retries_at_start
             timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
             # that is not activations. The prediction counts what the step held as the model does (a checkpointed
@@ -729,6 +832,8 @@ class BudgetPlanner:
             # Only a rise moves the plan (towards memory): a plan relaxed on a lighter step can pass a hard cap on the
             # next (measured on an H200), so plans approach the budget from below only.
             error = peak - plan.peak
+            self._learn_fit_error(error, flushed)
+            p = self.profile
             # (A plan that predicted more than it measured learns nothing here, even past the budget: it was known
             # not to fit.)
             passed = error > self.budget * _REPLAN_SHARE or (error > 0 and peak > self.budget)
@@ -773,6 +878,40 @@ class BudgetPlanner:
                 changed = True
             if changed:
                 self._choose()
+
+    def _learn_fit_error(self, error: int, flushed: bool) -> None:
+        """Fold a planned step's miss into the fit margin: what it peaked above its prediction (small misses, which do
+        not correct the model) and, where the allocator flushed its cache to find room (a hard cap pressing it), the
+        fragments it reserved past its peak allocated. Where the margin grows past where the plan sits, plan again."""
+        p = self.profile
+        assert p is not None and self.plan is not None
+        missed = max(0, min(error, int(self.budget * _REPLAN_SHARE)))
+        if flushed:
+            missed += max(0, self._counter("reserved_peak") - self.memory.peak())
+        if missed <= p.fit_error:
+            return
+        self.profile = dataclasses.replace(p, fit_error=missed)
+        if self.plan.peak + self.fit_margin > self.budget:
+            self._choose(memory=True)
+
+    def _observe(self, peak: int) -> None:
+        """Keep what the step that ends held, phase by phase, with what its plan predicted."""
+        planned = not self._measuring and self.plan is not None
+        self.observations.append(
+            StepObservation(
+                step=self.step,
+                input=repr(self.input_key),
+                kind="measuring" if self._measuring else "trial" if self._trials.trying else "planned",
+                base=self._step_base,
+                forward=self.forward_peak,
+                head=self._seen_head_peak,
+                backward=self._backward_end_peak,
+                peak=peak,
+                predicted=self.plan.peak if planned and self.plan is not None else 0,
+                predicted_phases=self.plan.phases if planned and self.plan is not None else (),
+                budget=self.budget,
+            )
+        )
 
     def _cache_worth_emptying(self, peak: int) -> bool:
         """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding far
@@ -921,6 +1060,7 @@ class BudgetPlanner:
             copy_ms_per_gib=self._copy_ms_per_gib,
             forward_peak=self.forward_peak,
             unrebuilt_peak=unrebuilt_peak,
+            base=self._base,
             **extra,
         )
 
@@ -1072,7 +1212,7 @@ class BudgetPlanner:
         if trials.done and chosen is not None and any(nbytes for _, nbytes, _, _ in trials.timed_plans()):
             self._copies_lost = not chosen.offload_bytes  # the latest trials that compared copies decide
         plan = chosen or plan
-        plan = dataclasses.replace(plan, fits=plan.peak <= self.budget)
+        plan = dataclasses.replace(plan, fits=plan.peak + self.fit_margin <= self.budget)
         changed, previous = plan != self.plan, self.plan
         self.plan = plan
         if changed:
@@ -1088,6 +1228,9 @@ class BudgetPlanner:
             if not plan.fits:
                 fixed = self.profile.peak + self.profile.correction - self.profile.resident
                 text += (
+                    f", within the fit margin of {self.fit_margin / GiB:.2f} GiB below it (what this model's "
+                    "predictions and the allocator's fragments may miss by): the step may run out of memory under a "
+                    "hard limit"
                     f". Even the most frugal plan needs {plan.peak / GiB:.2f} GiB: weights, gradients and optimizer "
                     f"state take {self._base / GiB:.2f} GiB and the step's other transients (the loss and logits "
                     f"among them) {(fixed - self._base) / GiB:.2f} GiB"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import warnings
 import weakref
@@ -203,7 +204,7 @@ class OffloadEngine:
         planner, text = self.planner, None
         if planner is not None:
             text = planner.out_of_memory() if out_of_memory else None  # said of the step before it is dropped
-            planner.abandon_step(out_of_memory)
+            planner.abandon_step(out_of_memory, _requested_bytes(exc) if out_of_memory else 0)
         self.reset()
         if text is not None:
             _log.warning(text)
@@ -506,6 +507,16 @@ class OffloadEngine:
             inbound.used_offloaded(view)
         inbound.prefetch(self._log.backward_pos, self._stats)
         return out
+
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _requested_bytes(exc: BaseException | None) -> int:
+    """The allocation an out-of-memory error failed on, read from CUDA's message (0: not stated)."""
+    found = _REQUEST.search(str(exc)) if exc is not None else None
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
 
 
 def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

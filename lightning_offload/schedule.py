@@ -198,6 +198,11 @@ class StepProfile:
             (0: not known, no bound).
         kept_bytes: what a block checkpointed with elementwise recompute keeps on the device besides its input (its
             matrix products' and attention's outputs, out of the engine's reach; 0: not measured, no such plans).
+        base: allocated bytes as the measured step began (weights, optimizer state, gradients kept): planned steps
+            that begin above it hold that much more in every phase.
+        fit_error: the most a planned step of this profile needed beyond its plan's prediction without the model
+            being corrected for it (small misses, the allocator's fragments when a hard cap pressed it); learnt by
+            :class:`BudgetPlanner`, only ever higher. The fit margin keeps plans at least this far below the budget.
     """
 
     peak: int
@@ -228,6 +233,8 @@ class StepProfile:
     correction: int = 0
     host_bytes: int = 0
     kept_bytes: int = 0
+    base: int = 0
+    fit_error: int = 0
 
     @property
     def two_peaks(self) -> bool:
@@ -264,6 +271,9 @@ class Plan:
             configured ``prefetch_bytes``).
         light_blocks: how many blocks before the checkpointed ones run with elementwise recompute (their matrix
             products and attention kept on the device, everything else recomputed in backward).
+        phases: the predicted peak of each phase where the profile counts them apart (forward with the loss's forward,
+            the head's backward, the blocks' backward, the optimizer's step); ``peak`` is their largest. Empty where
+            the step is modelled as one peak.
     """
 
     offload_bytes: int
@@ -275,6 +285,7 @@ class Plan:
     prefetch_cap: int | None = None
     split: bool = False
     light_blocks: int = 0
+    phases: tuple[int, ...] = ()
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)
@@ -482,9 +493,11 @@ def _candidate(
     eligible = _eligible(profile, k, split, light)
     # What light blocks keep on the device: out of the engine's reach, so offloading never relieves it.
     kept = light * profile.kept_bytes
+    kept_phases: tuple[int, ...] = ()
     if profile.two_peaks:
         phases = _phase_peaks(profile, k + light, eligible, split and k > 0, kept)
-        kept_peak = max(phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
+        kept_phases = (phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
+        kept_peak = max(kept_phases)
     elif k or light:
         # Backward recomputes one checkpointed block (or part) at a time: its activations exist once more, briefly.
         rebuilt = profile.part_bytes if split else profile.block_bytes
@@ -495,7 +508,7 @@ def _candidate(
     recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
     if excess <= 0 or keep_only:
-        return Plan(0, k, kept_peak, recompute_ms, excess <= 0, split=split, light_blocks=light)
+        return Plan(0, k, kept_peak, recompute_ms, excess <= 0, split=split, light_blocks=light, phases=kept_phases)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
     movable = max(0, eligible - profile.tail)
     if profile.host_bytes:
@@ -506,17 +519,30 @@ def _candidate(
     # The least bytes with enough relief: relief grows with the bytes, but fetching ahead can step in on the way.
     needed = [excess, excess + profile.prefetch_bytes]
     if profile.two_peaks:  # only the blocks' backward holds the bytes fetched ahead, past the head's room
-        peak_of = _two_peak_offloaded(profile, phases, model, eligible)
+        phases_of = _two_peak_offloaded(profile, phases, model, eligible)
+        peak_of = _largest(phases_of)
         fetched = max(0, profile.prefetch_bytes - profile.head_bytes)
         needed[1] = max(phases.forward, phases.head, phases.blocks + fetched) - budget
     else:
+        phases_of = _no_phases
         peak_of = _one_peak_offloaded(kept_peak)
     choice = model.cheapest(needed, movable, peak_of, budget)
     if choice is None:
         choice = model.most_frugal(movable)
     peak = peak_of(choice)
     cost = recompute_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
-    return Plan(choice.nbytes, k, peak, cost, peak <= budget, choice.inflight_cap, choice.prefetch_cap, split, light)
+    return Plan(
+        choice.nbytes,
+        k,
+        peak,
+        cost,
+        peak <= budget,
+        choice.inflight_cap,
+        choice.prefetch_cap,
+        split,
+        light,
+        phases_of(choice),
+    )
 
 
 # Plans worth timing cost at most this share of a step (forward's and backward's compute) more than the cheapest by
@@ -590,6 +616,16 @@ def _shape(plan: Plan) -> tuple[int, bool, int]:
     return plan.checkpoint_blocks, plan.split, plan.light_blocks
 
 
+def _no_phases(choice: OffloadChoice) -> tuple[int, ...]:
+    """A step modelled as one peak counts no phases apart."""
+    return ()
+
+
+def _largest(phases_of: Callable[[OffloadChoice], tuple[int, ...]]) -> Callable[[OffloadChoice], int]:
+    """The peak of a step whose phases peak at ``phases_of(choice)``: the largest of them."""
+    return lambda choice: max(phases_of(choice))
+
+
 def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:
     """The peak of a step modelled as one peak of ``kept_peak`` bytes once ``choice`` is offloaded."""
     return lambda choice: kept_peak - max(0, choice.relief)
@@ -597,8 +633,9 @@ def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:
 
 def _two_peak_offloaded(
     profile: StepProfile, phases: PhasePeaks, model: OffloadModel, eligible: int
-) -> Callable[[OffloadChoice], int]:
-    """The peak of the step with ``phases`` once ``choice`` is offloaded (the head's backward apart).
+) -> Callable[[OffloadChoice], tuple[int, int, int, int]]:
+    """The peaks of the step's phases with ``phases`` once ``choice`` is offloaded (the head's backward apart):
+    forward's, the head's backward, the blocks' backward and the optimizer's step.
 
     Forward's peak and the head's backward are lowered only by bytes saved before the head: the head's own, where
     they leave, come straight back for the loss's backward (on an H200, small-h512's plan offloaded 0.25 GiB of its
@@ -606,18 +643,18 @@ def _two_peak_offloaded(
     fetched ahead. Offloading lowers neither the optimizer's peak (activations are gone by then) nor what stays."""
     before_head = max(0, eligible - profile.head_bytes)
 
-    def peak_of(choice: OffloadChoice) -> int:
+    def phases_of(choice: OffloadChoice) -> tuple[int, int, int, int]:
         # The blocks' backward counts the head's saved bytes as room, used and freed by then: copies fetched ahead
         # into it add nothing; beyond it, they do.
         fetched = max(0, model.fetched_ahead(choice.nbytes, choice.prefetch_cap) - profile.head_bytes)
-        return max(
+        return (
             phases.forward - max(0, min(before_head, _forward_relief(choice))),
             phases.head - max(0, min(before_head, choice.relief)),
             phases.blocks + fetched - max(0, choice.relief),
             profile.optimizer_peak,
         )
 
-    return peak_of
+    return phases_of
 
 
 # A block rebuilt in the blocks' backward holds its saved bytes again and, while its own backward runs, gradients of

@@ -1,0 +1,159 @@
+"""The fit guarantee of the memory-budget planner, on the CPU with faked allocator counters: plans stay a margin below
+the budget (a prior share of the room above the step's base, and at least the errors planned steps showed), a step
+that begins above the measured base is planned again before it runs, and an out-of-memory error corrects the plan by
+the request that failed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_offload.budget import _FIT_ROOM_SHARE
+from lightning_offload.engine import _requested_bytes
+from tests.test_budget import BATCH, WIDTH, FakeMemory, SpikyMemory, activation_bytes, planned_stack, run_steps
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+class PressedMemory(FakeMemory):
+    """Counters of an allocator that a hard cap presses: every step flushes its cache once, and it reserves ``gap``
+    bytes past its peak allocated (fragments it could not return)."""
+
+    gap = 0
+    _retries = 0
+
+    def alloc_retries(self) -> int:
+        # Read as a step begins and as it ends: each read a flush later than the one before.
+        self._retries += 1
+        return self._retries
+
+    def reserved(self) -> int:
+        return self.allocated() + self.gap
+
+    def reserved_peak(self) -> int:
+        return self.peak() + self.gap
+
+
+def test_plans_stay_the_fit_margin_below_the_budget() -> None:
+    """Before any planned step was seen, plans aim a tenth of the room above the base below the budget."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    base = act // 2
+    budget = base + act * 2
+    _, model, memory, engine = planned_stack(
+        budget, base=base, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    run_steps(engine, model, x, 4)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    assert planner.fit_margin == int(_FIT_ROOM_SHARE * (budget - base))
+    assert planner.plan.fits and planner.plan.peak <= budget - planner.fit_margin
+    assert max(memory.peaks[2:]) <= budget - planner.fit_margin
+
+
+def test_a_planned_step_that_begins_above_the_measured_base_is_planned_again_before_it_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gradient accumulation: the measuring steps were micro-batches before the optimizer had its state. Once the
+    optimizer allocates it, the next step begins with that much more: its plan is chosen again before it runs, so it
+    peaks within the budget (planned as before, it would pass it by the state's bytes)."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    budget = act * 2
+    _, model, memory, engine = planned_stack(
+        budget, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    before = planner.plan
+    memory.base += act // 2  # the optimizer's state, allocated after the last step's backward
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        run_steps(engine, model, x, 2)
+    assert "more allocated than the measured one" in caplog.text
+    assert (
+        planner.plan.offload_bytes > before.offload_bytes or planner.plan.checkpoint_blocks > before.checkpoint_blocks
+    )
+    assert max(memory.peaks[3:]) <= budget  # the step that began above the base included
+    assert planner.profile is not None and planner.profile.base == act // 2
+
+
+def test_a_step_that_begins_with_what_was_measured_keeps_its_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """A base that did not grow (the same weights and state as the measured step) plans nothing again."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    _, model, _, engine = planned_stack(
+        act * 2, base=act // 4, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
+    )
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        run_steps(engine, model, x, 5)
+    assert "more allocated than the measured one" not in caplog.text
+
+
+def test_a_pressed_allocators_fragments_widen_the_fit_margin() -> None:
+    """Planned steps under a hard cap that flush the allocator's cache and hold fragments past their peak: the margin
+    grows to at least 1.25x those fragments, and the plan moves down with it."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    budget = act * 2
+    _, model, memory, engine = planned_stack(
+        budget,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        bytes_per_ms=float(64 * MiB),
+        memory_type=PressedMemory,
+    )
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    prior = planner.fit_margin
+    memory.gap = prior  # fragments as large as the whole prior margin
+    run_steps(engine, model, x, 3)
+    assert planner.profile is not None and planner.profile.fit_error >= prior
+    assert planner.fit_margin >= int(1.25 * prior)
+    assert planner.plan.peak <= budget - planner.fit_margin
+
+
+def test_an_out_of_memory_error_corrects_the_plan_by_the_request_that_failed() -> None:
+    """A planned step reached its peak and then asked for a block far larger than the replanning share: the
+    correction covers that request, not a fixed 2%."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    budget = act * 2
+    _, model, memory, engine = planned_stack(
+        budget,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        memory_type=SpikyMemory,
+        bytes_per_ms=float(64 * MiB),
+    )
+    run_steps(engine, model, x, 3)
+    planner = engine.planner
+    assert planner is not None and planner.profile is not None and planner.plan is not None
+    correction, predicted, offloaded = planner.profile.correction, planner.plan.peak, planner.plan.offload_bytes
+    request = budget // 4
+    with pytest.raises(torch.cuda.OutOfMemoryError), engine:
+        model(x)
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {request / MiB:.2f} MiB. GPU 0")
+    needed = memory.peak() + request
+    assert planner.profile.correction - correction >= needed - predicted - planner.fit_margin
+    # Plans aim at the same target below the budget: the correction is met by offloading more.
+    assert planner.plan.fits and planner.plan.offload_bytes >= offloaded + planner.profile.correction - correction
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("CUDA out of memory. Tried to allocate 1000.00 MiB. GPU 0 has a total capacity of 139.80 GiB", 1000 * MiB),
+        ("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0", int(1.5 * GiB)),
+        ("CUDA out of memory. Tried to allocate 512 B.", 512),
+        ("CUDA out of memory", 0),
+    ],
+)
+def test_the_request_that_failed_is_read_from_cudas_message(message: str, expected: int) -> None:
+    assert _requested_bytes(torch.cuda.OutOfMemoryError(message)) == expected
+    assert _requested_bytes(None) == 0
