@@ -1,0 +1,75 @@
+"""The model zoo's rig: the seeded configurations cover what users vary, the summary counts what the targets name,
+and ``--tiny`` runs every family under every entry point on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import zoo
+from tests.processes import run_on_cpu
+
+
+def test_the_seeded_zoo_varies_what_users_vary() -> None:
+    configs = zoo.generate(2026, 42)
+    assert len(configs) == 42 + len(zoo.REGRESSIONS)
+    assert zoo.generate(2026, 42) == configs  # the same list on every machine
+    drawn = configs[len(zoo.REGRESSIONS) :]
+
+    def values(key: str) -> set:
+        return {c[key] for c in drawn}
+
+    assert values("family") == set(zoo.FAMILIES) and values("entry") == set(zoo.ENTRIES)
+    vocabs = {c["vocab"] for c in drawn if c["family"] != "vit"}
+    assert min(vocabs) == 256 and max(vocabs) >= 150_000
+    assert values("tied") == {True, False}
+    assert min(values("hidden")) == 512 and max(values("hidden")) == 4096
+    assert min(values("layers")) <= 6 and max(values("layers")) >= 30
+    assert any(c["kv_heads"] < c["heads"] for c in drawn) and any(c["kv_heads"] == c["heads"] for c in drawn)
+    assert min(values("batch")) == 1 and max(values("batch")) >= 8
+    assert min(values("seq")) <= 1024 and max(values("seq")) == 32768
+    assert values("precision") == {"bf16", "bf16-mixed"} and values("optimizer") == {"adamw", "sgd"}
+    assert values("loss_inside") == {True, False} and values("accumulate") == {1, 4}
+    callbacks = [c for c in drawn if c["entry"] == "callback"]
+    assert any(c["sanity"] for c in callbacks) and any(c["val_every"] for c in callbacks)
+    assert any(c["fits"] == 2 for c in callbacks)
+    assert all(0.5 <= c["fraction"] <= 0.9 for c in drawn)
+
+
+def test_the_summary_counts_out_of_memory_errors_only_where_the_floor_fits() -> None:
+    rows = [
+        {"config": "a", "fits_floor": True, "oom_planned": 1, "ratio_ac": 0.9, "ac_fits": True, "observations": []},
+        {"config": "b", "fits_floor": True, "oom_planned": 0, "ratio_ac": 1.2, "ac_fits": True, "observations": []},
+        {"config": "c", "fits_floor": False, "oom_planned": 0, "oom_step": {"step": 0}, "floor_warned": False},
+        {"config": "d", "error": "none ran out of memory uncapped"},
+    ]
+    summary = zoo.summary(rows)
+    assert (summary["rows"], summary["ran"], summary["errors"], summary["floor_fits"]) == (4, 3, 1, 2)
+    assert summary["oom_planned"] == 1 and summary["floor_not_fitting_unwarned"] == 1
+    assert summary["median_ratio_ac"] == pytest.approx(1.05) and summary["max_ratio_ac"] == 1.2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_the_tiny_zoo_runs_every_family_under_every_entry_point(tmp_path: Path) -> None:
+    out = tmp_path / "zoo.json"
+    done = run_on_cpu("benchmarks.zoo", "--tiny", "--out", str(out), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "pipeline OK, 9 rows ran" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["entry"] for r in rows} == {"callback", "context", "fabric"}
+    assert {r["settings"]["family"] for r in rows} == set(zoo.FAMILIES)
+    for row in rows:
+        assert {
+            "config",
+            "entry",
+            "fits_floor",
+            "oom_planned",
+            "ratio_none",
+            "ratio_ac",
+            "measuring_trial_steps",
+        } <= set(row)
+        assert row["oom_planned"] == 0 and row["batches"] > 0
+    assert out.with_suffix(".md").read_text().count("\n| ") >= len(rows)
