@@ -407,14 +407,20 @@ def _keep_planner_facts(record: ArmRecord, planner: Any) -> None:
 class _Phase:
     """Whether an optimizer step is running (torch's global optimizer hooks), and the peak inside optimizer steps."""
 
-    def __init__(self, device: Any, track_peak: bool) -> None:
+    def __init__(self, device: Any, track_peak: bool, torch_hooks: bool = True) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.device, self.track_peak = device, track_peak
         self.in_optimizer = False
         self.peak = 0  # the largest peak outside optimizer steps (tracked only with track_peak)
         self.optimizer_peak = 0
-        self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        # Lightning runs training_step and backward inside `optimizer.step(closure)`: there torch's hooks would take the
+        # whole step for the optimizer's, so the Lightning runner calls `_pre` and `_post` from its own hooks instead.
+        self._handles = (
+            [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+            if torch_hooks
+            else []
+        )
 
     def _pre(self, *_: Any) -> None:
         self.in_optimizer = True
@@ -425,6 +431,8 @@ class _Phase:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _post(self, *_: Any) -> None:
+        if not self.in_optimizer:
+            return
         self.in_optimizer = False
         if self.track_peak and self.device.type == "cuda":
             import torch
@@ -601,12 +609,26 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
     sync = _sync(device)
 
     class Clock(pl.Callback):
+        """Times batches, keeps the planner (the callback lets its engine go as fit ends) and marks the optimizer's
+        step: from `on_before_optimizer_step` (backward is over) to the batch's end."""
+
         def __init__(self, offload: Any) -> None:
             self.offload = offload
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             engine = self.offload.engine if self.offload is not None else None
-            record.batch_starts(_kind(getattr(engine, "planner", None)), sync)
+            planner = getattr(engine, "planner", None)
+            if planner is not None:
+                planners[0] = planner
+            record.batch_starts(_kind(planner), sync)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            phase._pre()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            phase._post()
+
+    planners: list[Any] = [None]
 
     offload = None
     if arm == "planned":
@@ -617,7 +639,7 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
     module = Module()
     batches = steps * config["accumulate"]
     precision = "bf16-mixed" if config["precision"] == "bf16-mixed" else "32-true"
-    phase = _Phase(device, track_peak=arm == "none")
+    phase = _Phase(device, track_peak=arm == "none", torch_hooks=False)
     try:
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
             for _ in range(config["fits"]):
@@ -647,7 +669,7 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
         _oom(record, exc, phase)
     finally:
         record.finish(sync)
-        _keep_planner_facts(record, getattr(offload.engine, "planner", None) if offload and offload.engine else None)
+        _keep_planner_facts(record, planners[0])
         phase.remove()
     _arm_peaks(record, phase, device)
     return record
