@@ -834,6 +834,11 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "errors": len(rows) - len(ran),
         "floor_fits": len(fitting),
         "oom_planned": sum(r.get("oom_planned", 0) for r in ran),
+        # The user's view, whatever the planner concluded after the fact: ours ran out of memory in a trial or planned
+        # step where checkpointing every block trained under the same cap.
+        "oom_where_ac_fits": sum(
+            1 for r in ran if r.get("ac_fits") and (r.get("oom_step") or {}).get("kind") in ("trial", "planned")
+        ),
         "floor_not_fitting_unwarned": sum(
             1 for r in ran if r.get("fits_floor") is False and r.get("oom_step") and not r.get("floor_warned")
         ),

@@ -49,6 +49,10 @@ def test_the_summary_counts_out_of_memory_errors_only_where_the_floor_fits() -> 
     summary = zoo.summary(rows)
     assert (summary["rows"], summary["ran"], summary["errors"], summary["floor_fits"]) == (4, 3, 1, 2)
     assert summary["oom_planned"] == 1 and summary["floor_not_fitting_unwarned"] == 1
+    assert summary["oom_where_ac_fits"] == 0  # (no row says where its out of memory came)
+    rows[0]["oom_step"] = {"step": 3, "kind": "trial"}
+    rows[2].update(ac_fits=True, oom_step={"step": 2, "kind": "planned"})
+    assert zoo.summary(rows)["oom_where_ac_fits"] == 2
     assert summary["median_ratio_ac"] == pytest.approx(1.05) and summary["max_ratio_ac"] == 1.2
 
 
