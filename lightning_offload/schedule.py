@@ -373,7 +373,14 @@ class OffloadModel:
 
     def unbounded(self, nbytes: int) -> OffloadChoice:
         lagging = max(0, nbytes - int(self.hidden_out))
-        return self._choice(nbytes, lagging, self._way_back_ms(nbytes), None)
+        choice = self._choice(nbytes, lagging, self._way_back_ms(nbytes), None)
+        if self.released_at_head:
+            # Without a throttle nothing bounds the bytes still on their way out as forward and the loss's forward peak:
+            # how many left by then is a guess from timing, and a guess is no fit guarantee (on an H200, through the
+            # Lightning callback, plans that counted on it ran out of memory at the loss's logits, 1 GiB past their
+            # prediction). Forward's peak is predicted as if none had left; the head's backward still gets it all.
+            choice = replace(choice, forward_relief=0)
+        return choice
 
     def throttled(self, nbytes: int, cap: int, prefetch: int | None = None) -> OffloadChoice:
         """``prefetch``: a bound on bytes fetched ahead below the configured one (``None``: the configured one)."""
