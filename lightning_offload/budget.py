@@ -65,9 +65,9 @@ from lightning_offload.schedule import (
 )
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
+from lightning_offload.units import GiB
 
 _log = logging.getLogger("lightning_offload")
-GiB = 1 << 30
 # The device's allocator never gets all of its memory (CUDA context, fragmentation, other libraries): the default
 # budget leaves this share of the total (at least _MIN_MARGIN) unplanned.
 _MARGIN_SHARE = 0.08

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from lightning_offload.options import GiB
+from lightning_offload.units import GiB
 
 # Size classes: 8 per power of two (so at most 12.5% of a buffer is padding), never below 64 KiB.
 _MIN_CLASS = 64 << 10

@@ -21,14 +21,14 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from lightning_offload.host_pool import size_class
+from lightning_offload.units import GiB, MiB
+
 Mode = Literal["streamed", "sync", "off"]
 OnHostFull = Literal["warn", "error"]
 
 MODES: tuple[str, ...] = get_args(Mode)
 ON_HOST_FULL: tuple[str, ...] = get_args(OnHostFull)
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 # Below ~1 MiB a PCIe copy is dominated by its fixed cost (launch + event bookkeeping, ~5-10 us), so it moves less
 # than half the bytes the link could in that time, and the Python work per tensor in the hooks (~10 us) starts to
@@ -314,8 +314,6 @@ def _host_limit_floor(min_tensor_bytes: int) -> int:
     The pool hands out buffers by size class (never below 64 KiB), so a smaller limit could not hold even the
     smallest tensor that is eligible for offloading, and offloading would silently never happen.
     """
-    from lightning_offload.host_pool import size_class  # the pool imports this module
-
     return size_class(min_tensor_bytes)
 
 

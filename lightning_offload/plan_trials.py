@@ -15,8 +15,8 @@ import statistics
 from collections.abc import Sequence
 
 from lightning_offload.schedule import Plan, StepProfile, trial_plans
+from lightning_offload.units import GiB
 
-GiB = 1 << 30
 # Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
 # allocator reshapes its cache for the new plan), the median of the others counts. The median, not the mean: in three
 # of 26 trials on an H200 the first timed step still ran 2-10% slow while the next two agreed within 1% (8B LoRA's 23
