@@ -961,6 +961,42 @@ def main(argv: list[str] | None = None) -> int:
     return _write(args.out, rows, meta)
 
 
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Each planned or trial step's measured peak against its plan's prediction, both as shares of the budget, by
+    entry point; steps above the diagonal peaked above their prediction, above 1.0 past the budget. Nothing is drawn
+    where no step was planned (the CPU) or matplotlib is missing."""
+    points = [
+        (o["predicted"] / o["budget"], o["peak"] / o["budget"], row["entry"])
+        for row in rows
+        for o in row.get("observations") or ()
+        if o.get("predicted") and o.get("budget")
+    ]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for entry, color in zip(ENTRIES, ("tab:blue", "tab:orange", "tab:green"), strict=True):
+        xs = [x for x, _, e in points if e == entry]
+        ys = [y for _, y, e in points if e == entry]
+        ax.scatter(xs, ys, s=10, alpha=0.6, color=color, label=entry)
+    low = min(min(x for x, _, _ in points), min(y for _, y, _ in points), 0.5)
+    ax.plot([low, 1.05], [low, 1.05], color="grey", linewidth=0.8)
+    ax.axhline(1.0, color="red", linewidth=0.8)
+    ax.set_xlabel("predicted peak / budget")
+    ax.set_ylabel("measured peak / budget")
+    ax.set_title("Planned and trial steps under a hard cap (budget = cap)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _gpu_name() -> str:
     """The GPU's name from nvidia-smi: asking CUDA in this process would initialise it before the children fork."""
     import shutil
@@ -994,6 +1030,7 @@ def _write(out: Path | None, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         out.with_suffix(".md").write_text(markdown(rows, meta))
+        _plot(rows, out.with_suffix(".png"))
     print(json.dumps(summary(rows), indent=1))
     return 0
 

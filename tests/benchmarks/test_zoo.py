@@ -77,3 +77,13 @@ def test_the_tiny_zoo_runs_every_family_under_every_entry_point(tmp_path: Path) 
         } <= set(row)
         assert row["oom_planned"] == 0 and row["batches"] > 0
     assert out.with_suffix(".md").read_text().count("\n| ") >= len(rows)
+
+
+def test_the_plot_draws_planned_steps_and_nothing_where_none_was_planned(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    planned = {"predicted": 9, "peak": 10, "budget": 10}
+    measuring = {"predicted": 0, "peak": 5, "budget": 10}
+    zoo._plot([{"entry": "callback", "observations": [planned, measuring]}], tmp_path / "zoo.png")
+    assert (tmp_path / "zoo.png").stat().st_size > 1000
+    zoo._plot([{"entry": "context", "observations": [measuring]}], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
