@@ -200,6 +200,27 @@ def planned_stack(
     return sim, model, memory, engine
 
 
+def planned_at_twice_the_activations(
+    x: torch.Tensor,
+    memory_type: type[MemoryT] = FakeMemory,  # type: ignore[assignment]
+) -> tuple[int, Stack, MemoryT, OffloadEngine]:
+    """The planned setup many tests start from, after its three first steps (measured, then planned): a budget of
+    twice the bytes forward saves on ``x``, no weights, a loss transient of 1.2x those bytes, a step without hooks
+    keeping them all, a fast link. Returns the budget, the model, the counters and the engine."""
+    act = activation_bytes(x)
+    budget = act * 2
+    _, model, memory, engine = planned_stack(
+        budget,
+        base=0,
+        transient=act * 12 // 10,
+        unhooked_resident=act,
+        bytes_per_ms=float(64 * MiB),
+        memory_type=memory_type,
+    )
+    run_steps(engine, model, x, 3)
+    return budget, model, memory, engine
+
+
 def reference_grads(x: torch.Tensor) -> dict[str, torch.Tensor]:
     model = Stack()
     model(x).backward()
@@ -626,12 +647,8 @@ def test_later_steps_correct_the_model_only_towards_memory() -> None:
     could then pass it)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    budget = act * 2  # forward alone stays under the watermark (half the budget); with the transient, some must leave
-    # The loss's transient comes on top of forward's saves.
-    _, model, memory, engine = planned_stack(
-        budget, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
-    )
-    run_steps(engine, model, x, 3)
+    # Forward alone stays under the watermark (half the budget); with the loss's transient on top, some must leave.
+    budget, model, memory, engine = planned_at_twice_the_activations(x)
     first = engine.planner.plan  # type: ignore[union-attr]
     memory.transient -= act // 10  # lighter
     run_steps(engine, model, x, 2)
@@ -1136,17 +1153,7 @@ def test_a_planned_step_that_ran_out_of_memory_moves_the_plan_towards_memory() -
     on. Each failure corrects the plan by what the step peaked past its prediction and at least 2% of the budget (the
     failed allocation is not in the peak), so the next step offloads more: never the same plan again."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    budget = act * 2
-    _, model, memory, engine = planned_stack(
-        budget,
-        base=0,
-        transient=act * 12 // 10,
-        unhooked_resident=act,
-        memory_type=SpikyMemory,
-        bytes_per_ms=float(64 * MiB),
-    )
-    run_steps(engine, model, x, 3)
+    budget, model, memory, engine = planned_at_twice_the_activations(x, SpikyMemory)
     planner = engine.planner
     assert planner is not None and planner.plan is not None and planner.profile is not None
     offloaded, corrections = [], []

@@ -12,7 +12,16 @@ import torch
 
 from lightning_offload.budget import _FIT_ROOM_SHARE
 from lightning_offload.engine import _requested_bytes
-from tests.test_budget import BATCH, WIDTH, FakeMemory, SpikyMemory, activation_bytes, planned_stack, run_steps
+from tests.test_budget import (
+    BATCH,
+    WIDTH,
+    FakeMemory,
+    SpikyMemory,
+    activation_bytes,
+    planned_at_twice_the_activations,
+    planned_stack,
+    run_steps,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -61,11 +70,7 @@ def test_a_planned_step_that_begins_above_the_measured_base_is_planned_again_bef
     peaks within the budget (planned as before, it would pass it by the state's bytes)."""
     x = torch.randn(BATCH, WIDTH)
     act = activation_bytes(x)
-    budget = act * 2
-    _, model, memory, engine = planned_stack(
-        budget, base=0, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
-    )
-    run_steps(engine, model, x, 3)
+    budget, model, memory, engine = planned_at_twice_the_activations(x)
     planner = engine.planner
     assert planner is not None and planner.plan is not None
     before = planner.plan
@@ -96,17 +101,7 @@ def test_a_pressed_allocators_fragments_widen_the_fit_margin() -> None:
     """Planned steps under a hard cap that flush the allocator's cache and hold fragments past their peak: the margin
     grows to at least 1.25x those fragments, and the plan moves down with it."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    budget = act * 2
-    _, model, memory, engine = planned_stack(
-        budget,
-        base=0,
-        transient=act * 12 // 10,
-        unhooked_resident=act,
-        bytes_per_ms=float(64 * MiB),
-        memory_type=PressedMemory,
-    )
-    run_steps(engine, model, x, 3)
+    budget, model, memory, engine = planned_at_twice_the_activations(x, PressedMemory)
     planner = engine.planner
     assert planner is not None and planner.plan is not None
     prior = planner.fit_margin
@@ -121,17 +116,7 @@ def test_an_out_of_memory_error_corrects_the_plan_by_the_request_that_failed() -
     """A planned step reached its peak and then asked for a block far larger than the replanning share: the
     correction covers that request, not a fixed 2%."""
     x = torch.randn(BATCH, WIDTH)
-    act = activation_bytes(x)
-    budget = act * 2
-    _, model, memory, engine = planned_stack(
-        budget,
-        base=0,
-        transient=act * 12 // 10,
-        unhooked_resident=act,
-        memory_type=SpikyMemory,
-        bytes_per_ms=float(64 * MiB),
-    )
-    run_steps(engine, model, x, 3)
+    budget, model, memory, engine = planned_at_twice_the_activations(x, SpikyMemory)
     planner = engine.planner
     assert planner is not None and planner.profile is not None and planner.plan is not None
     correction, predicted, offloaded = planner.profile.correction, planner.plan.peak, planner.plan.offload_bytes
