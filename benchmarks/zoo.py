@@ -463,7 +463,6 @@ def _kind(planner: Any) -> str:
 
 def run_context(config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any) -> ArmRecord:
     """A plain PyTorch loop; ``arm``: ``none``, ``ac`` or ``planned`` (``offload_activations`` under ``budget``)."""
-    import torch
 
     from lightning_offload import offload_activations
 
@@ -478,17 +477,9 @@ def run_context(config: dict[str, Any], arm: str, steps: int, budget: int | None
         off = offload_activations(model=model, **options)
     sync = _sync(device)
     phase = _Phase(device, track_peak=arm == "none")
-    try:
+    with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
             _context_loop(config, model, optimizer, off, steps, device, record, sync)
-    except torch.cuda.OutOfMemoryError as exc:
-        _oom(record, exc, phase)
-    finally:
-        record.finish(sync)
-        _keep_planner_facts(record, getattr(off, "planner", None))
-        if off is not None:
-            off.close()
-        phase.remove()
     _arm_peaks(record, phase, device)
     return record
 
@@ -524,7 +515,6 @@ def _context_loop(
 
 def run_fabric(config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any) -> ArmRecord:
     """A Fabric loop; the arms as in :func:`run_context` (``fabric_offload`` under ``budget``)."""
-    import torch
     from lightning.fabric import Fabric
 
     from lightning_offload.fabric import fabric_offload
@@ -543,7 +533,7 @@ def run_fabric(config: dict[str, Any], arm: str, steps: int, budget: int | None,
         off = fabric_offload(fabric, model, **options)
     sync = _sync(device)
     phase = _Phase(device, track_peak=arm == "none")
-    try:
+    with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
         with activation_checkpointing(config, model.module) if arm == "ac" else contextlib.nullcontext():
             for step in range(steps * config["accumulate"]):
                 batch = make_batch(config, device, step)
@@ -557,14 +547,6 @@ def run_fabric(config: dict[str, Any], arm: str, steps: int, budget: int | None,
                 if (step + 1) % config["accumulate"] == 0:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-    except torch.cuda.OutOfMemoryError as exc:
-        _oom(record, exc, phase)
-    finally:
-        record.finish(sync)
-        _keep_planner_facts(record, getattr(off, "planner", None))
-        if off is not None:
-            off.close()
-        phase.remove()
     _arm_peaks(record, phase, device)
     return record
 
@@ -573,7 +555,6 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
     """``Trainer.fit`` (once or twice in a row, with validation as configured); ``planned``: with
     ``ActivationOffloadCallback(memory_budget=budget)``."""
     import lightning.pytorch as pl
-    import torch
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_offload import ActivationOffloadCallback
@@ -644,7 +625,7 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
     batches = steps * config["accumulate"]
     precision = "bf16-mixed" if config["precision"] == "bf16-mixed" else "32-true"
     phase = _Phase(device, track_peak=arm == "none", torch_hooks=False)
-    try:
+    with _arm_running(record, phase, sync, lambda: planners[0]):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
             for _ in range(config["fits"]):
                 callbacks = [c for c in (offload, Clock(offload)) if c is not None]
@@ -669,17 +650,31 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
                 record.times, record.kinds = [], []  # the last fit's are the ones timed
                 trainer.fit(module, loader, val if (config["sanity"] or config["val_every"]) else None)
                 record.finish(sync)
-    except torch.cuda.OutOfMemoryError as exc:
-        _oom(record, exc, phase)
-    finally:
-        record.finish(sync)
-        _keep_planner_facts(record, planners[0])
-        phase.remove()
     _arm_peaks(record, phase, device)
     return record
 
 
 RUNNERS = {"callback": run_callback, "context": run_context, "fabric": run_fabric}
+
+
+@contextlib.contextmanager
+def _arm_running(
+    record: ArmRecord, phase: _Phase, sync: Callable[[], None], planner: Callable[[], Any], engine: Any = None
+) -> Iterator[None]:
+    """Run an arm's loop: an out-of-memory error ends the arm and is recorded; whatever happens, the last batch's
+    time and the planner's facts are kept, ``engine`` (if any) is closed and the optimizer hooks are removed."""
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        _oom(record, exc, phase)
+    finally:
+        record.finish(sync)
+        _keep_planner_facts(record, planner())
+        if engine is not None:
+            engine.close()
+        phase.remove()
 
 
 def _sync(device: Any) -> Callable[[], None]:
