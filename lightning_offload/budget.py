@@ -821,7 +821,8 @@ class BudgetPlanner:
         elif self.plan is not None and self.profile is not None:
             p, plan = self.profile, self.plan
             trying = self._trials.trying  # this step timed a plan (the trials may end as it is counted)
-            # (Each read of the allocator's counters costs a copy of all of them: only while plans are under trial.)
+            # (Each read of the allocator's counters costs a copy of all of them: one per step, read for the trials'
+            # timing and the fit margin's fragments alike.)
             flushed = self._counter("alloc_retries") > self._retries_at_start
             timed = self._trials.count(plan, step_ms, pinned=self.step in self._pinning_steps, flushed=flushed)
             # How far this step's peak passed the plan's prediction: the model's error, put into the part of the peak
@@ -896,7 +897,7 @@ class BudgetPlanner:
 
     def _observe(self, peak: int) -> None:
         """Keep what the step that ends held, phase by phase, with what its plan predicted."""
-        planned = not self._measuring and self.plan is not None
+        plan = None if self._measuring else self.plan
         self.observations.append(
             StepObservation(
                 step=self.step,
@@ -907,8 +908,8 @@ class BudgetPlanner:
                 head=self._seen_head_peak,
                 backward=self._backward_end_peak,
                 peak=peak,
-                predicted=self.plan.peak if planned and self.plan is not None else 0,
-                predicted_phases=self.plan.phases if planned and self.plan is not None else (),
+                predicted=plan.peak if plan is not None else 0,
+                predicted_phases=plan.phases if plan is not None else (),
                 budget=self.budget,
             )
         )

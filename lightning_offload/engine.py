@@ -42,7 +42,7 @@ from lightning_offload.copies import SavedView, State, StorageCopy, modified_err
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
 from lightning_offload.host_pool import PoolAccount, host_limit, pool_for
 from lightning_offload.inbound import InboundQueue
-from lightning_offload.options import OffloadOptions, no_cuda_message
+from lightning_offload.options import OffloadOptions, no_cuda_message, size_in_bytes
 from lightning_offload.outbound import OutboundQueue
 from lightning_offload.planned_blocks import compiled_across_blocks, compiled_modules
 from lightning_offload.savelog import SaveLog
@@ -509,14 +509,14 @@ class OffloadEngine:
         return out
 
 
-_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+ ?[A-Za-z]+)")
 
 
 def _requested_bytes(exc: BaseException | None) -> int:
-    """The allocation an out-of-memory error failed on, read from CUDA's message (0: not stated)."""
+    """The allocation an out-of-memory error failed on, read from CUDA's message ("1000.00 MiB", read as the byte
+    options' size strings are; 0: not stated)."""
     found = _REQUEST.search(str(exc)) if exc is not None else None
-    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
+    return (size_in_bytes(found.group(1)) or 0) if found else 0
 
 
 def _keep(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -265,7 +265,7 @@ def _size_strings(examples: str = "'512MiB', '2GiB' or '2GB'") -> str:
     return f"a size string such as {examples} (GB = 10**9 bytes, GiB = G = 2**30)"
 
 
-def _size(value: Any) -> int | None:
+def size_in_bytes(value: Any) -> int | None:
     """``value`` (an integer of any type but bool, or a size string) in bytes; ``None`` where it is neither."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
@@ -287,7 +287,7 @@ def parse_bytes(caller: str, name: str, value: Any, allow_none: bool) -> int | N
     """
     if value is None and allow_none:
         return None
-    size = _size(value)
+    size = size_in_bytes(value)
     if size is None or size < 0:
         allowed = f"an integer byte count >= 0 or {_size_strings()}" + (", or None" if allow_none else "")
         raise ValueError(f"{caller}({name}={value!r}): {name} must be {allowed}")
@@ -298,7 +298,7 @@ def parse_budget(caller: str, value: Any) -> int | str | None:
     """``memory_budget`` as bytes, ``"auto"`` or ``None``; sizes as for every byte option (``"40GiB"``, ``"80GB"``)."""
     if value is None or value == "auto":
         return value
-    size = _size(value)
+    size = size_in_bytes(value)
     # No step fits a budget of 0 bytes ("0", or a fraction of a byte such as "0.0001kb").
     if size is None or size <= 0:
         raise ValueError(
