@@ -44,7 +44,7 @@ from benchmarks.workloads import (
 from lightning_offload import offload_activations, release_host_memory
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 from lightning_offload.device_memory import read_counters
-from lightning_offload.plan_trials import timing_key
+from lightning_offload.planner.trials import timing_key
 
 GiB = 1 << 30
 GC_FREEZE_VARIABLE = "BENCH_GC_FREEZE"  # "1": freeze the collector's view after the model is built

@@ -11,11 +11,11 @@ checkpointing from the block run in full. The first checkpoints the other blocks
 checkpoints them whole, where the first step's numbers say a block rebuilt whole fits, else by parts again. Under the
 device's own budget they keep everything unless memory passes a watermark, so a model that fits is measured at no cost.
 Two, because the optimizer allocates its state in the first step. From that profile
-:func:`~lightning_offload.schedule.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
+:func:`~.planner.candidates.plan_candidates` prices how many bytes leave and how many blocks are checkpointed;
 the engine applies the plan chosen. A plan that offloads nothing does not even install the hooks, so a model that fits
 pays nothing. Where the model's cheapest plan is not that one, the few plans worth comparing
-(:func:`~lightning_offload.schedule.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
-each run a few steps (:mod:`~lightning_offload.plan_trials`), timed on the device from step start to step start, and the
+(:func:`~.planner.trials.trial_plans`: the cheapest by the model, the cheapest without copies, one between)
+each run a few steps (:mod:`~.planner.trials`), timed on the device from step start to step start, and the
 fastest is kept: the model prices recompute and the link, not the host's hooks, copies slowing compute or the allocator
 flushing its cache near a hard cap, and a few steps of a long run measure what it cannot. A step whose peak passes the
 budget anyway corrects the model and plans again (only towards memory: a plan relaxed on a lighter step can pass a hard
@@ -50,19 +50,11 @@ from lightning_offload.device_memory import DeviceMemory, cache_worth_emptying
 from lightning_offload.inbound import InboundQueue
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
 from lightning_offload.outbound import OutboundQueue
-from lightning_offload.plan_trials import PlanTrials, timing_key
-from lightning_offload.planned_blocks import BlockSizes, PlannedBlocks
-from lightning_offload.schedule import (
-    REBUILD_SHARE,
-    Plan,
-    StepProfile,
-    cheapest_plan,
-    fit_link_share,
-    frugal_cap,
-    offload_cost_ms,
-    plan_candidates,
-    with_plans_that_keep,
-)
+from lightning_offload.planned_blocks import PlannedBlocks
+from lightning_offload.planner.candidates import REBUILD_SHARE, cheapest_plan, plan_candidates, with_plans_that_keep
+from lightning_offload.planner.offload_model import fit_link_share, offload_cost_ms
+from lightning_offload.planner.profile import BlockSizes, Plan, StepProfile, frugal_cap
+from lightning_offload.planner.trials import PlanTrials, timing_key
 from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
 from lightning_offload.units import GiB
@@ -405,7 +397,7 @@ class BudgetPlanner:
         return max(aim, self.budget - max(int(self.budget * _KEEPING_MARGIN_SHARE), self.fit_margin))
 
     def candidates(self) -> list[Plan]:
-        """The plans the current profile offers (:func:`~lightning_offload.schedule.plan_candidates`): under
+        """The plans the current profile offers (:func:`~lightning_offload.planner.candidates.plan_candidates`): under
         :attr:`plan_budget`, each replaced by the plan of the same blocks that offloads nothing where that one fits
         :attr:`keeping_budget`."""
         assert self.profile is not None

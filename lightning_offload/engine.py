@@ -15,7 +15,7 @@ Data flows one way. ``pack`` asks the policy (``policy.py``) whether a saved ten
 copy of its span (``savelog.py`` dedups) and queues it on the way out (``outbound.py``), which decides when it
 leaves; the transfer (``transfer.py``: sync, or streamed on copy streams) moves it into a pooled host buffer
 (``host_pool.py``). In backward, ``unpack`` rebuilds the tensor; the first unpack of a forward seals it, and the way
-back (``inbound.py``) fetches copies ahead of need on a plan from the pure planner (``schedule.py``).
+back (``inbound.py``) fetches copies ahead of need on the link model of ``schedule.py``.
 
 Torch only: no Lightning import, so plain training loops can use it as a context manager (``context.py``).
 """

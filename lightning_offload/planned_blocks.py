@@ -17,7 +17,6 @@ import logging
 import sys
 from collections import Counter
 from collections.abc import Callable, Container
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,40 +28,11 @@ from lightning_offload.checkpointing import (
     is_checkpointed,
     remove_checkpointing,
 )
+from lightning_offload.planner.profile import BlockSizes
 from lightning_offload.policy import backward_running
 from lightning_offload.recompute_policy import KeptBytes
 
 _log = logging.getLogger("lightning_offload")
-
-
-@dataclass(frozen=True)
-class BlockSizes:
-    """What one measuring step's forward saved per block.
-
-    Attributes:
-        count: blocks that ran.
-        checkpointed: how many of them ran checkpointed.
-        block_bytes: eligible bytes a block run in full saves, on average.
-        input_bytes: what a checkpointed block saves instead: measured where blocks ran checkpointed, else the size
-            of a block's first input.
-        split: the checkpointed blocks ran by their parts (``input_bytes`` is then what such a block saves).
-        first_input_bytes: the size of a block's first input, on average (what a block checkpointed whole saves).
-        part_bytes: eligible bytes the largest part of a block run in full saved (0: not measured).
-        cut_bytes: what the checkpointed blocks saved in all (``input_bytes`` is its average, rounded down).
-        kept_bytes: what a block checkpointed with elementwise recompute would keep on the device besides its input:
-            the outputs of its matrix products and attention, counted over the second block run in full (0: not
-            measured, or the block writes into one of them in place, which elementwise recompute refuses).
-    """
-
-    count: int
-    checkpointed: int
-    block_bytes: int
-    input_bytes: int
-    split: bool = False
-    first_input_bytes: int = 0
-    part_bytes: int = 0
-    cut_bytes: int = 0
-    kept_bytes: int = 0
 
 
 class PlannedBlocks:

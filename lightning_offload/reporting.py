@@ -18,7 +18,7 @@ from lightning_offload.device_memory import AllocatorCounters, read_counters
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.metrics import OffloadEpochMetrics
 from lightning_offload.options import GiB, OffloadOptions
-from lightning_offload.schedule import Plan
+from lightning_offload.planner.profile import Plan
 from lightning_offload.stats import OffloadStats
 
 # Every figure the callback logs, in the words its docstring (and ``--help``) shows.

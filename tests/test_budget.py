@@ -18,12 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_offload import OffloadOptions, offload_activations, plan_trials
+from lightning_offload import OffloadOptions, offload_activations
 from lightning_offload.budget import _REMEMBERED_INPUTS, BudgetPlanner, _no_larger, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import pool_for
-from lightning_offload.schedule import Plan, StepProfile, cheapest_plan, trial_plans
+from lightning_offload.planner import trials as plan_trials
+from lightning_offload.planner.candidates import cheapest_plan
+from lightning_offload.planner.profile import Plan, StepProfile
+from lightning_offload.planner.trials import trial_plans
 from lightning_offload.streams import SimulatedStreams
 from tests.models import LengthLM, Mix, assert_same_grads, length_tokens, sgd_update_recorded
 

@@ -16,7 +16,7 @@ from torch import nn
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 from lightning_offload.host_pool import pool_for
-from lightning_offload.schedule import plan_candidates
+from lightning_offload.planner.candidates import plan_candidates
 from tests import processes
 from tests.models import Attention, assert_inplace_error_or_exact_grad
 

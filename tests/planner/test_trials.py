@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_offload.plan_trials import TRIAL_STEPS, PlanTrials
-from lightning_offload.schedule import Plan, StepProfile
+from lightning_offload.planner.profile import Plan, StepProfile
+from lightning_offload.planner.trials import TRIAL_STEPS, PlanTrials
 
 GiB = 1 << 30
 PROFILE = StepProfile(peak=0, resident=0, eligible=0, forward_ms=100.0, link_bytes_per_ms=1.0, backward_ms=150.0)

@@ -2,7 +2,7 @@
 
 The budget planner's model prices recompute and the link, not the host's cost per saved tensor, copies slowing
 compute, or the allocator flushing its cache near a hard cap. So the few plans worth comparing
-(:func:`~lightning_offload.schedule.trial_plans`) each run ``TRIAL_STEPS`` steps, timed on the device from step start
+(:func:`trial_plans`) each run ``TRIAL_STEPS`` steps, timed on the device from step start
 to step start, and the fastest is kept. This module holds that bookkeeping: plain plans and milliseconds in, a plan
 out; :class:`~lightning_offload.budget.BudgetPlanner` feeds it each step's time.
 
@@ -14,8 +14,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from lightning_offload.schedule import Plan, StepProfile, trial_plans
+from lightning_offload.planner.candidates import shape
+from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
+
+# Plans worth timing cost at most this share of a step (forward's and backward's compute) more than the cheapest by
+# the model: what the model leaves out (the host's hooks, waits for copies, allocator flushes near a hard cap) was
+# measured on an H200 at up to 2.5x a small model's step, and at 8-20% of the Llama workloads'.
+TRIAL_BAND = 0.5
+# Between the cheapest plan and the cheapest one that offloads nothing, one more is timed halfway where they are this
+# many checkpointed blocks apart.
+TRIAL_SPREAD = 3
 
 # Steps each plan under trial runs: the first settles (it may pin host buffers, 0.4 s per GiB on an H200, and the
 # allocator reshapes its cache for the new plan), the median of the others counts. The median, not the mean: in three
@@ -191,3 +200,60 @@ def timing_key(plan: Plan) -> tuple[int, bool, int, int]:
     checkpoints as many blocks but offloads more after a correction is another plan) and the blocks recomputing their
     elementwise operations."""
     return plan.checkpoint_blocks, plan.split, plan.offload_bytes, plan.light_blocks
+
+
+def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
+    """The plans under the budget worth timing against each other, most bytes offloaded first (the first pins the
+    host buffers the others reuse); one plan, or none, where nothing is worth comparing.
+
+    The model prices recompute well and copies only by the link: it leaves out the host's cost per saved tensor, the
+    waits of copies beside compute and the allocator flushing its cache near a hard cap. So along with the cheapest
+    plan by the model it offers the cheapest that offloads nothing (no hooks, no copies), one halfway between them
+    where they are far apart, and, where every plan offloads, the one that checkpoints the most (the fewest copies):
+    each within ``TRIAL_BAND`` of a step of the cheapest. Plans with light blocks are priced by an estimate
+    (``ELEMENTWISE_SHARE``) that is off by far more than that between models, so they are a family of their own: its
+    cheapest and its cheapest without copies are timed beside those of the plans without. A plan that keeps
+    everything costs nothing: no other is timed.
+
+    Args:
+        profile: the measured step the candidates were planned from.
+        candidates: :func:`plan_candidates`' list.
+    """
+    fitting = [p for p in candidates if p.fits]
+    if not fitting:
+        return []
+    best = min(fitting, key=lambda p: (p.extra_ms, p.peak))
+    if not best.offload_bytes and not best.checkpoint_blocks and not best.light_blocks:
+        return [best]
+    step_ms = profile.forward_ms + (profile.backward_ms or 2 * profile.forward_ms)
+    within = [p for p in fitting if p.extra_ms <= best.extra_ms + TRIAL_BAND * step_ms]
+    chosen: dict[tuple[int, bool, int], Plan] = {}
+    whole = [p for p in within if not p.light_blocks]
+    if whole:
+        chosen.update(family_trials(whole))
+    light = [p for p in within if p.light_blocks]
+    for family in (light, [p for p in light if not p.offload_bytes]):
+        if family:
+            cheapest = min(family, key=lambda p: (p.extra_ms, p.peak))
+            chosen.setdefault(shape(cheapest), cheapest)
+    return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split, p.light_blocks))
+
+
+def family_trials(within: Sequence[Plan]) -> dict[tuple[int, bool, int], Plan]:
+    """Of plans without light blocks: the cheapest, the cheapest without copies and one halfway between where they
+    are far apart, or the one with the fewest copies where every plan offloads."""
+    best = min(within, key=lambda p: (p.extra_ms, p.peak))
+    chosen = {shape(best): best}
+    keeping = [p for p in within if not p.offload_bytes]
+    if keeping:
+        plain = min(keeping, key=lambda p: (p.extra_ms, p.peak))
+        chosen.setdefault(shape(plain), plain)
+        low, high = sorted((best.checkpoint_blocks, plain.checkpoint_blocks))
+        if high - low >= TRIAL_SPREAD:
+            halfway = min(within, key=lambda p: (abs(2 * p.checkpoint_blocks - low - high), p.split, p.extra_ms))
+            chosen.setdefault(shape(halfway), halfway)
+    else:
+        # The fewest copies: blocks checkpointed whole save less than by their parts.
+        most = max(within, key=lambda p: (p.checkpoint_blocks, not p.split))
+        chosen.setdefault(shape(most), most)
+    return chosen
