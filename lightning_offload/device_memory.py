@@ -13,17 +13,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from lightning_offload.planner.aims import cache_worth_emptying
+
 _switched = False  # expandable segments were switched on in this process
-# Steps that shaped the allocator's cache in a layout of their own (a memory-budget planner's measuring steps and plans
-# under trial; the optimizer's state allocated in the first step into room activations had used) can leave it holding
-# far more than a step needs: expandable segments are never unmapped but by emptying the cache. Past this multiple of
-# the steps' peak allocated memory the cache is emptied once, where the budget (or the process's cap) leaves room for a
-# layout mapped afresh to reserve _FRESH_LAYOUT_ROOM x that peak. On an H200 the small-vocab model's 8 GiB budget row
-# reserved 7.7 GiB for 6.2 allocated after its trials, 6.7 once emptied; where the budget was close to the peak,
-# Llama-1B's kept plans under hard caps at 0.9x and at the floor (5-6% of room) emptied each time then flushed the
-# cache in every step (1.10x -> 1.77x `none`'s step time): a layout mapped afresh reached the cap there.
-_SETTLED_RESERVED_RATIO = 1.10
-_FRESH_LAYOUT_ROOM = 1.15
 # Without a memory-budget planner, the engine reads what the steps before left cached as it installs after each of the
 # first this-many optimizer steps: the first allocates the optimizer's state, after its backward, into room the
 # activations had used; the second step's activations, mapped around that state, are the layout every later step
@@ -174,13 +166,6 @@ def expandable_segments() -> bool:
         return True
     settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
     return any(item.strip().lower() == "expandable_segments:true" for item in settings.split(","))
-
-
-def cache_worth_emptying(reserved: int, peak: int, room: int) -> bool:
-    """Whether an allocator holding ``reserved`` bytes, after steps that peaked at ``peak`` bytes allocated, holds far
-    more than a step needs (over ``_SETTLED_RESERVED_RATIO`` x the peak) while ``room`` bytes (a budget, a cap) hold a
-    layout mapped afresh (``_FRESH_LAYOUT_ROOM`` x the peak): then emptying the cache once returns memory for good."""
-    return peak > 0 and room >= _FRESH_LAYOUT_ROOM * peak and reserved > _SETTLED_RESERVED_RATIO * peak
 
 
 class SettledCache:

@@ -54,6 +54,10 @@ class InboundQueue:
         self._freeing: list[tuple[int, int, tuple[int, int] | None]] = []
         self.hold_above: int | None = None
 
+    def configure(self, cap: int) -> None:
+        """Set the bound on bytes fetched ahead of need before backward frees any (a memory-budget plan's)."""
+        self.cap = cap
+
     def add_forward(self, copies: list[weakref.ref[StorageCopy]]) -> None:
         """Queue a sealed forward's offloaded copies (save order) and plan when each starts back."""
         transfer = self._transfer

@@ -71,6 +71,10 @@ class OutboundQueue:
         self.inflight_bytes = 0
         self.forward_copies: list[weakref.ref[StorageCopy]] = []  # offloaded copies of the open forward
 
+    def configure(self, tail: int, inflight_cap: int | None) -> None:
+        """Set the next forward's resident tail and in-flight bound (a memory-budget plan's, or a measuring step's)."""
+        self.tail, self.inflight_cap = tail, inflight_cap
+
     @property
     def link_ratio(self) -> float | None:
         transfer = self._transfer

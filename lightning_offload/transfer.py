@@ -262,6 +262,15 @@ class StreamedTransfer:
             self._read_backward_timing()
         return self.last_backward_ms
 
+    def configure(self, step: int, pace: tuple[int, float, float] | None) -> None:
+        """Number the steps from now on ``step``, and run the link model on ``pace`` (a memory-budget plan's profile:
+        eligible bytes, forward's and backward's compute ms), frozen; ``None``: the link model learns from each step."""
+        self.step = step
+        if pace is not None:
+            self.link.use_pace(*pace, self.link_rate)
+        else:
+            self.link.frozen = False
+
     def step_began(self, time_last: bool) -> float:
         """Mark where a step begins on the compute stream; with ``time_last``, return the device time of the step
         before it, from its mark to this one (a host sync: it waits for that step's work), else 0.

@@ -19,14 +19,17 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadOptions, offload_activations
-from lightning_offload.budget import _REMEMBERED_INPUTS, BudgetPlanner, _no_larger, default_budget
+from lightning_offload.budget import BudgetPlanner, default_budget
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import pool_for
 from lightning_offload.planner import trials as plan_trials
 from lightning_offload.planner.candidates import cheapest_plan
+from lightning_offload.planner.core import REMEMBERED_INPUTS, Planner
+from lightning_offload.planner.inputs import no_larger
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.planner.trials import trial_plans
+from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import SimulatedStreams
 from tests.models import LengthLM, Mix, assert_same_grads, length_tokens, sgd_update_recorded
 
@@ -830,13 +833,13 @@ def test_a_kept_plan_empties_the_cache_once_where_its_first_step_found_it_holdin
     memory.release_cache = lambda: released.append(planner.step + 1)  # type: ignore[attr-defined]
     memory.reserved = lambda: int(reserved_share * memory.peak())  # type: ignore[attr-defined]
     checked: list[int] = []  # the steps whose end asked whether the cache is worth emptying
-    check = planner._cache_worth_emptying
+    check = planner.core.cache_worth_emptying
 
-    def recording_check(peak: int) -> bool:
+    def recording_check(peak: int, reserved: int) -> bool:
         checked.append(planner.step)
-        return check(peak)
+        return check(peak, reserved)
 
-    planner._cache_worth_emptying = recording_check  # type: ignore[method-assign]
+    planner.core.cache_worth_emptying = recording_check  # type: ignore[method-assign]
     ran: list[tuple[int, int] | None] = []  # per step from the second: its plan's blocks and bytes (None: measured
     # or timed against others)
     begin = planner.begin_step
@@ -938,20 +941,15 @@ def test_a_replan_checks_the_cache_its_measuring_steps_left() -> None:
     assert released[1] > 10
 
 
-class _Reserved:
-    def __init__(self, reserved: int) -> None:
-        self.reserved = lambda: reserved
-
-
 def test_the_cache_is_left_alone_where_the_budget_has_no_room_for_a_layout_mapped_afresh() -> None:
     """A layout mapped afresh may reserve more than the cached one (under a hard cap close to the peak, it reached the
     cap and flushed the cache in every step): emptying is considered only where the budget holds 1.15x the peak, and
     only where the allocator holds more than 1.10x it."""
-    planner = BudgetPlanner(20 * GiB, _Reserved(19 * GiB))
-    assert planner._cache_worth_emptying(17 * GiB)  # 20 >= 19.55 of room; 19 > 18.7 held
-    assert not planner._cache_worth_emptying(int(17.5 * GiB))  # 20 < 20.1: no room
-    assert not planner._cache_worth_emptying(0)  # no peak read
-    assert not BudgetPlanner(20 * GiB, _Reserved(18 * GiB))._cache_worth_emptying(17 * GiB)  # 18 <= 18.7 held
+    planner = Planner(20 * GiB)
+    assert planner.cache_worth_emptying(17 * GiB, 19 * GiB)  # 20 >= 19.55 of room; 19 > 18.7 held
+    assert not planner.cache_worth_emptying(int(17.5 * GiB), 19 * GiB)  # 20 < 20.1: no room
+    assert not planner.cache_worth_emptying(0, 19 * GiB)  # no peak read
+    assert not planner.cache_worth_emptying(17 * GiB, 18 * GiB)  # 18 <= 18.7 held
 
 
 def test_without_trials_the_models_cheapest_plan_runs() -> None:
@@ -1035,7 +1033,7 @@ def test_plans_aim_lower_where_the_pressed_measuring_step_reserved_far_past_its_
     aim = planner.plan_budget
     if pressed == "near the budget":  # the gap is then from the measuring step's peak up to 96% of the budget
         assert aim == pytest.approx(
-            budget - 1.5 * (0.96 * budget - planner._measured_peaks[1]) - 0.02 * budget, rel=1e-3
+            budget - 1.5 * (0.96 * budget - planner.core.rec.peaks.peak) - 0.02 * budget, rel=1e-3
         )
         assert aim < budget * 0.91 and planner.plan.peak <= budget  # (no plan may fit that aim: the most frugal runs)
     else:
@@ -1597,8 +1595,8 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
         backward_ms=560.0,
         prefetch_bytes=2 * GiB,
     )
-    planner._measure_left = 0
-    planner._choose()
+    planner.core.rec.measure_left = 0
+    planner.core._choose()
     plan = planner.plan
     assert plan is not None and plan.checkpoint_blocks > 0 and plan.fits
     # The candidates a diagnosis lists (one per number of checkpointed blocks) hold the chosen plan as their cheapest.
@@ -1609,7 +1607,7 @@ def test_a_planned_step_that_peaks_where_its_plan_predicted_keeps_the_plan() -> 
         assert planner.begin_step(lambda: 0) == plan
         memory.value = peak
         eligible = 72 * GiB - plan.checkpoint_blocks * (2 * GiB - 64 * MiB)
-        planner.end_step(eligible, plan.offload_bytes, 410.0, 55e6, {}, backward_ms=700.0)
+        planner.end_step(OffloadStats(eligible_bytes=eligible, offloaded_bytes=plan.offload_bytes), 410.0, 700.0)
 
     planned_step(plan.peak)
     assert planner.plan == plan
@@ -1790,7 +1788,7 @@ def test_the_segments_returned_as_a_step_begins_do_not_count_as_its_reserved_pea
     memory.cached_peak = int(9.8 * GiB)  # the counters still hold the cached segments' peak
     if emptied:
         planner.cache_emptied()
-    planner.end_step(eligible=GiB, offloaded=GiB, forward_ms=10.0, link_bytes_per_ms=1e6, extra={})
+    planner.end_step(OffloadStats(eligible_bytes=GiB, offloaded_bytes=GiB), forward_ms=10.0, link_bytes_per_ms=1e6)
     margin = 10 * GiB - planner.plan_budget
     pressed = int(1.5 * (int(9.8 * GiB) - 2 * GiB) + 0.02 * 10 * GiB)
     # (The fit margin's prior: 10% of the room the budget leaves above the step's base, none allocated here.)
@@ -1900,20 +1898,20 @@ def test_an_input_whose_measuring_step_ran_out_of_memory_measures_frugally_when_
 
 
 def test_an_input_that_comes_back_after_as_many_others_as_are_kept_runs_its_plan_without_measuring() -> None:
-    """The planner keeps the plans of up to ``_REMEMBERED_INPUTS`` inputs besides the one running: an input that comes
+    """The planner keeps the plans of up to ``REMEMBERED_INPUTS`` inputs besides the one running: an input that comes
     back after that many others ran (lengths bucketed into one more bucket than that, taken in turn) runs its own plan.
     (The input left was kept before the one coming back was taken up: the list, one over, forgot the least recently
     run, which was that input, and every input measured at every return.)"""
     memory = PeakCounter()
     planner = BudgetPlanner(60 * GiB, memory)
-    keys = [f"bucket {i}" for i in range(_REMEMBERED_INPUTS + 1)]
+    keys = [f"bucket {i}" for i in range(REMEMBERED_INPUTS + 1)]
     measuring = []
     for key in keys[:1] + keys * 2:  # (the first input's two measuring steps, then one each)
         planner.input_changed(key)
         planner.begin_step(lambda: 0)
         measuring.append(planner.measuring)
         memory.value = 2 * GiB
-        planner.end_step(GiB, 0, 10.0, float(MiB), {})
+        planner.end_step(OffloadStats(eligible_bytes=GiB), 10.0, link_bytes_per_ms=float(MiB))
     assert measuring[-len(keys) :] == [False] * len(keys)
 
 
@@ -2127,21 +2125,21 @@ def test_an_input_is_no_larger_than_another_only_where_every_dimension_of_every_
     """Inputs are compared as shapes: a key as the engine is told it (``tuple(batch.shape)``), or the shapes of each
     of a batch's tensors as the callback names them; keys of other kinds, or shapes of other ranks or tensor counts,
     are never no larger (their inputs are measured)."""
-    assert _no_larger((2, 32), (2, 48)) and _no_larger((2, 48), (2, 48))
-    assert not _no_larger((4, 32), (2, 48)) and not _no_larger((2, 48, 1), (2, 48))
-    assert _no_larger(((2, 32), (2, 32)), ((2, 48), (2, 48)))
-    assert not _no_larger(((2, 32), (2, 64)), ((2, 48), (2, 48)))
-    assert not _no_larger(((2, 32),), ((2, 48), (2, 48)))
-    assert not _no_larger("short", "long") and not _no_larger(None, (2, 48)) and not _no_larger(1.0, 2.0)
-    assert _no_larger((("ids", (2, 32)),), (("ids", (2, 48)),))  # named shapes, as the callback's keys hold them
-    assert not _no_larger((("text", (2, 32)),), (("audio", (2, 48)),))
+    assert no_larger((2, 32), (2, 48)) and no_larger((2, 48), (2, 48))
+    assert not no_larger((4, 32), (2, 48)) and not no_larger((2, 48, 1), (2, 48))
+    assert no_larger(((2, 32), (2, 32)), ((2, 48), (2, 48)))
+    assert not no_larger(((2, 32), (2, 64)), ((2, 48), (2, 48)))
+    assert not no_larger(((2, 32),), ((2, 48), (2, 48)))
+    assert not no_larger("short", "long") and not no_larger(None, (2, 48)) and not no_larger(1.0, 2.0)
+    assert no_larger((("ids", (2, 32)),), (("ids", (2, 48)),))  # named shapes, as the callback's keys hold them
+    assert not no_larger((("text", (2, 32)),), (("audio", (2, 48)),))
 
 
 def test_an_input_named_by_a_number_is_measured_and_never_runs_the_plan_of_a_higher_number() -> None:
     """Only a tuple is read as shapes (the engine's ``input_changed`` says so): inputs named by an int (a task's or a
     data loader's number) or a bool are not sizes, so a new one is measured even where a higher-numbered input's plan
     keeps everything."""
-    assert not _no_larger(0, 1) and not _no_larger(False, True) and not _no_larger((False, 8), (True, 8))
+    assert not no_larger(0, 1) and not no_larger(False, True) and not no_larger((False, 8), (True, 8))
     _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
     x = torch.randn(BATCH, WIDTH)
     steps = [step_on(engine, model, x, key=key) for key in [1, 1, 1, 0]]
@@ -2155,8 +2153,8 @@ def test_an_input_named_by_a_string_and_a_number_is_measured_and_never_runs_the_
     that are not shapes) is no shape, so input ``("loader", 0)`` is measured even where ``("loader", 1)``'s plan keeps
     everything. (Names compared anywhere read it as a shape of one name and one dimension.) A name beside a shape
     still compares by that shape."""
-    assert not _no_larger(("loader", 0), ("loader", 1)) and not _no_larger((("loader", 0),), (("loader", 1),))
-    assert _no_larger(("qa", (2, 32)), ("qa", (2, 48))) and not _no_larger(("qa", (2, 64)), ("qa", (2, 48)))
+    assert not no_larger(("loader", 0), ("loader", 1)) and not no_larger((("loader", 0),), (("loader", 1),))
+    assert no_larger(("qa", (2, 32)), ("qa", (2, 48))) and not no_larger(("qa", (2, 64)), ("qa", (2, 48)))
     _, model, _, engine = planned_stack(2 * GiB, base=GiB, transient=MiB)
     x = torch.randn(BATCH, WIDTH)
     steps = [step_on(engine, model, x, key=key) for key in [("loader", 1)] * 3 + [("loader", 0)]]
@@ -2309,7 +2307,7 @@ def test_an_input_a_lent_plan_misled_never_borrows_again_even_after_more_inputs_
     and, under a hard cap, run out of memory at every such return)."""
     act = lm_activation_bytes(length_tokens(64))
     model, memory, engine, optimizer = borrowing_engine(act, extra=3 * GiB, budget="auto")
-    for length in range(65, 66 + _REMEMBERED_INPUTS):  # each measured, each a lender that keeps everything
+    for length in range(65, 66 + REMEMBERED_INPUTS):  # each measured, each a lender that keeps everything
         run_length(model, engine, memory, optimizer, length)
     assert run_length(model, engine, memory, optimizer, 48)
     engine.close()

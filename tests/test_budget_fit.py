@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from lightning_offload.budget import _FIT_ROOM_SHARE
 from lightning_offload.engine import _requested_bytes
+from lightning_offload.planner.aims import FIT_ROOM_SHARE
 from tests.test_budget import (
     BATCH,
     WIDTH,
@@ -57,7 +57,7 @@ def test_plans_stay_the_fit_margin_below_the_budget() -> None:
     run_steps(engine, model, x, 4)
     planner = engine.planner
     assert planner is not None and planner.plan is not None
-    assert planner.fit_margin == int(_FIT_ROOM_SHARE * (budget - base))
+    assert planner.fit_margin == int(FIT_ROOM_SHARE * (budget - base))
     assert planner.plan.fits and planner.plan.peak <= budget - planner.fit_margin
     assert max(memory.peaks[2:]) <= budget - planner.fit_margin
 

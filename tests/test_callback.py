@@ -30,10 +30,11 @@ from torch.utils.data import DataLoader
 import lightning_offload.callback as callback_module
 import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
-from lightning_offload.budget import BudgetPlanner, _no_larger
+from lightning_offload.budget import BudgetPlanner
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
+from lightning_offload.planner.inputs import no_larger
 from lightning_offload.streams import SimulatedStreams
 from tests import test_budget as budget_tests
 from tests.models import MLP, CheckpointModel, LengthLM, length_tokens
@@ -1295,7 +1296,7 @@ def test_a_batch_whose_named_tensors_grew_is_never_no_larger_for_listing_them_in
     )
     first = callback_module._shapes({"prompt": short, "response": long})
     grown = callback_module._shapes({"response": short, "prompt": torch.zeros(2, 60)})  # the prompt: 8 -> 60
-    assert not _no_larger(grown, first)
+    assert not no_larger(grown, first)
 
 
 def test_batches_whose_tensors_have_other_names_are_never_no_larger_than_each_other() -> None:
@@ -1304,16 +1305,16 @@ def test_batches_whose_tensors_have_other_names_are_never_no_larger_than_each_ot
     (by shapes alone, in the same positions, it would be). The same names compare by their shapes, nested names and
     dataclass fields included."""
     text, audio = {"text": torch.zeros(8, 16)}, {"audio": torch.zeros(8, 32)}
-    assert not _no_larger(callback_module._shapes(text), callback_module._shapes(audio))
-    assert _no_larger(callback_module._shapes({"text": torch.zeros(8, 8)}), callback_module._shapes(text))
+    assert not no_larger(callback_module._shapes(text), callback_module._shapes(audio))
+    assert no_larger(callback_module._shapes({"text": torch.zeros(8, 8)}), callback_module._shapes(text))
     nested_short = {"inputs": {"ids": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}
     nested_long = {"inputs": {"ids": torch.zeros(2, 16)}, "labels": torch.zeros(2, 16)}
-    assert _no_larger(callback_module._shapes(nested_short), callback_module._shapes(nested_long))
-    assert not _no_larger(
+    assert no_larger(callback_module._shapes(nested_short), callback_module._shapes(nested_long))
+    assert not no_larger(
         callback_module._shapes({"inputs": {"mask": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}),
         callback_module._shapes(nested_long),
     )
-    assert _no_larger(
+    assert no_larger(
         callback_module._shapes(MappingBatch(x=torch.zeros(2, 8))), callback_module._shapes({"x": torch.zeros(2, 16)})
     )
 
@@ -1323,8 +1324,8 @@ def test_batches_whose_tensors_have_other_names_are_never_no_larger_than_each_ot
         audio: torch.Tensor
 
     short, long = Pair(torch.zeros(2, 8), torch.zeros(2, 4)), Pair(torch.zeros(2, 16), torch.zeros(2, 4))
-    assert _no_larger(callback_module._shapes(short), callback_module._shapes(long))
-    assert not _no_larger(callback_module._shapes(long), callback_module._shapes(short))
+    assert no_larger(callback_module._shapes(short), callback_module._shapes(long))
+    assert not no_larger(callback_module._shapes(long), callback_module._shapes(short))
     assert callback_module._shapes(short) == (("text", (2, 8)), ("audio", (2, 4)))  # (fields in their order)
     assert callback_module._shapes([{"ids": torch.zeros(3)}, torch.zeros(1)]) == (("ids", (3,)), ("", (1,)))
 

@@ -583,17 +583,17 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
     assert planner is not None and planner.plan is not None and not planner.measuring
     checks: list[tuple[int, bool]] = []
     releases: list[int] = []
-    check, release = planner._cache_worth_emptying, planner.memory.release_cache
+    check, release = planner.core.cache_worth_emptying, planner.memory.release_cache
 
-    def recorded_check(peak: int) -> bool:
-        checks.append((planner.step, check(peak)))
+    def recorded_check(peak: int, reserved: int) -> bool:
+        checks.append((planner.step, check(peak, reserved)))
         return checks[-1][1]
 
     def recorded_release() -> None:
         releases.append(planner.step + 1)
         release()
 
-    planner._cache_worth_emptying = recorded_check  # type: ignore[method-assign]
+    planner.core.cache_worth_emptying = recorded_check  # type: ignore[method-assign]
     planner.memory.release_cache = recorded_release
     junk = torch.empty(5 * plain_peak // 2, dtype=torch.uint8, device="cuda")
     del junk
