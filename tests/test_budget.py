@@ -24,8 +24,9 @@ from lightning_offload.checkpointing import apply_checkpointing, checkpointed_mo
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.host_pool import pool_for
 from lightning_offload.planner import trials as plan_trials
+from lightning_offload.planner.book import REMEMBERED_INPUTS
 from lightning_offload.planner.candidates import cheapest_plan
-from lightning_offload.planner.core import REMEMBERED_INPUTS, Planner
+from lightning_offload.planner.core import Planner
 from lightning_offload.planner.inputs import no_larger
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.planner.trials import trial_plans

@@ -233,3 +233,12 @@ def split_relief(profile: StepProfile) -> int:
     """How much lower the blocks' backward peaks with the blocks checkpointed by their parts than whole: the largest
     part is rebuilt at a time instead of the block."""
     return int(REBUILD_SHARE * max(0, profile.block_bytes - profile.part_bytes)) if profile.part_bytes else 0
+
+
+def offered_plans(profile: StepProfile, plan_budget: int, keeping_budget: int) -> list[Plan]:
+    """The plans ``profile`` offers under ``plan_budget``, each replaced by the plan of the same blocks that offloads
+    nothing where that one fits ``keeping_budget`` (plans without copies may aim closer to the budget)."""
+    candidates = plan_candidates(profile, plan_budget)
+    if keeping_budget <= plan_budget:
+        return candidates
+    return with_plans_that_keep(candidates, plan_candidates(profile, keeping_budget, keep_only=True))

@@ -14,30 +14,31 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable
 from typing import Any
 
+from lightning_offload.planner import words
 from lightning_offload.planner.aims import REPLAN_SHARE, cache_worth_emptying, fit_margin, keeping_aim, plan_aim
-from lightning_offload.planner.candidates import cheapest_plan, plan_candidates, with_plans_that_keep
-from lightning_offload.planner.inputs import InputRecord, no_larger, size
+from lightning_offload.planner.book import NO_INPUT, InputBook
+from lightning_offload.planner.candidates import offered_plans
+from lightning_offload.planner.corrections import (
+    after_out_of_memory,
+    heavier_than_planned,
+    small_miss,
+    with_faster_compute,
+)
+from lightning_offload.planner.inputs import InputRecord
 from lightning_offload.planner.learning import learn_from_copy_waits, learn_from_slow_forward
-from lightning_offload.planner.measure import Machine, MeasuredPeaks, measured_profile, pressed_gap
+from lightning_offload.planner.measure import Machine
+from lightning_offload.planner.measuring import MEASURED_STEPS, measured, next_measure
 from lightning_offload.planner.profile import Plan, StepProfile
-from lightning_offload.planner.steps import Directive, Measure, Notice, Observation, Phase, StepRecord, StepStart
-from lightning_offload.planner.trials import PlanTrials, timing_key
-from lightning_offload.units import GiB
+from lightning_offload.planner.steps import Directive, Notice, Observation, Phase, StepRecord, StepStart
+from lightning_offload.planner.trace import Trace
+from lightning_offload.planner.trials import PlanTrials, choose_plan, timing_key
 
-# Steps measured before the first plan: the first runs before the optimizer has its state (Adam's moments are
-# allocated at the first step), so the second is the one every later step looks like.
-MEASURED_STEPS = 2
-# Under the device's own budget, measuring steps keep everything until allocated memory passes the budget less this
-# share of it: a model that uses most of the device but fits is measured without offloading.
-_WATERMARK_SHARE = 0.10
-REMEMBERED_INPUTS = 32  # inputs whose records are kept while others run
-_MISLED_INPUTS = 4096  # inputs a lent plan misled: they are never lent one again
 _RECORDED_STEPS = 512
-NO_INPUT: Any = object()  # no input named yet
+_PINNING_STEPS_KEPT = 32
 
 
 class Planner:
@@ -54,9 +55,8 @@ class Planner:
         self.budget = budget
         self.trials_enabled = trials
         self.rec = InputRecord(PlanTrials(trials), measure_left=MEASURED_STEPS, frugal_next=frugal_first)
-        self.key: Hashable = NO_INPUT
-        self.remembered: OrderedDict[Hashable, InputRecord] = OrderedDict()  # other inputs, least recently run first
-        self.misled: OrderedDict[Hashable, None] = OrderedDict()
+        self.book = InputBook()  # the current input's key and the other inputs' records
+        self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
         self.copies_lost = False  # the latest trials that compared plans with copies and without kept one without
         self.step = 0
@@ -94,13 +94,9 @@ class Planner:
         return keeping_aim(self.budget, self.fit_margin, self.plan_budget, self.expandable)
 
     def candidates(self) -> list[Plan]:
-        """The plans the profile offers under :attr:`plan_budget`, each replaced by the plan of the same blocks that
-        offloads nothing where that one fits :attr:`keeping_budget`."""
+        """The plans the profile offers (:func:`~.candidates.offered_plans`)."""
         assert self.rec.profile is not None
-        candidates = plan_candidates(self.rec.profile, self.plan_budget)
-        if self.keeping_budget <= self.plan_budget:
-            return candidates
-        return with_plans_that_keep(candidates, plan_candidates(self.rec.profile, self.keeping_budget, keep_only=True))
+        return offered_plans(self.rec.profile, self.plan_budget, self.keeping_budget)
 
     @property
     def empties_cache(self) -> bool:
@@ -118,6 +114,11 @@ class Planner:
 
     def begin(self, start: StepStart) -> Directive:
         """A step begins with ``start.allocated`` bytes allocated: what it runs."""
+        directive = self._begin(start)
+        self.trace.begin(start, directive)
+        return directive
+
+    def _begin(self, start: StepStart) -> Directive:
         self.step += 1
         self._start, self.expandable = start, start.expandable
         empty, self._release_cache = self._release_cache, False
@@ -127,20 +128,9 @@ class Planner:
             rec.ran(self.step)
             self.open = Directive(rec.phase, rec.plan, empty_cache=empty)
             return self.open
-        frugal = rec.frugal_next
-        by_parts = frugal and self._measure_by_parts(start.allocated)  # (against the measuring step before it)
-        in_full = frugal and rec.full_block is None
-        watermark = 0 if frugal else self.budget - int(self.budget * _WATERMARK_SHARE)
-        measure = Measure(frugal, one_in_full=in_full, by_parts=by_parts or in_full, watermark=watermark)
-        rec.base, rec.frugal_next = start.allocated, False
-        if frugal and rec.full_block is not None:
-            self._warn_frugal_step(start.allocated)
-        if rec.base >= self.budget and rec.profile is None:
-            self._say(
-                logging.WARNING,
-                f"memory_budget={self.budget / GiB:.2f} GiB: {rec.base / GiB:.2f} GiB are allocated before the step "
-                "begins (weights, gradients, optimizer state): no plan can keep the step within the budget",
-            )
+        measure, warnings = next_measure(rec, self.budget, self.plan_budget, start.allocated)
+        for text in warnings:
+            self._say(logging.WARNING, text)
         self.open = Directive(Phase.MEASURING, measure=measure, empty_cache=empty)
         return self.open
 
@@ -149,13 +139,14 @@ class Planner:
         d, self.open = self.open, None
         if d is None:
             return
+        self.trace.observe(obs)
         if obs.raised:
             self._abandoned(d, obs)
             return
         if obs.pinned:
             self._pinning_steps.add(self.step)
-            if len(self._pinning_steps) > 64:
-                self._pinning_steps = set(sorted(self._pinning_steps)[-32:])
+            if len(self._pinning_steps) > 2 * _PINNING_STEPS_KEPT:
+                self._pinning_steps = set(sorted(self._pinning_steps)[-_PINNING_STEPS_KEPT:])
         self._record(d, obs)
         if d.phase is Phase.MEASURING:
             self._measured(d, obs)
@@ -171,21 +162,10 @@ class Planner:
         self.observe(Observation(raised=True))
 
     def _measured(self, d: Directive, obs: Observation) -> None:
-        rec = self.rec
         assert d.measure is not None
-        rec.measure_left -= 1
-        rec.measured += 1
-        rec.reserved_gap = pressed_gap(obs, self.budget)
-        rec.peaks = MeasuredPeaks(rec.base, obs.peak, obs.backward_peak, d.measure.frugal)
-        rec.frugal_next = obs.tripped  # a step that passed its watermark peaked there: the next is frugal
-        rec.profile, rec.full_block = measured_profile(obs, rec.full_block, rec.base, self.machine)
-        if rec.measure_left <= 0 and rec.measured == 1 and obs.pinned:
-            # A single measuring step that pinned new host buffers timed the pinning as compute (0.4 s per GiB on an
-            # H200): a forward that slow hides any copy. Its buffers exist now: measured once more.
-            rec.measure_left = 1
-        if rec.measure_left <= 0:
+        if measured(self.rec, d.measure, obs, self.budget, self.machine):
             self._choose()
-            rec.settling = True  # the measuring steps left the cache shaped by their own allocations
+            self.rec.settling = True  # the measuring steps left the cache shaped by their own allocations
 
     def _planned(self, d: Directive, obs: Observation) -> None:
         rec = self.rec
@@ -194,41 +174,26 @@ class Planner:
         timed = rec.trials.count(plan, obs.step_ms, pinned=obs.pinned, flushed=obs.flushed)
         # The prediction counts what the step held as the model does, so a step that peaked where predicted moves
         # nothing; only a rise moves the plan, towards memory.
-        error = obs.peak - plan.peak
-        self._learn_fit_error(error, obs)
-        p = rec.profile
-        assert p is not None
-        passed = error > self.budget * REPLAN_SHARE or (error > 0 and obs.peak > self.budget)
-        heavier = max(error, obs.peak - self.budget) if passed else 0
-        # A step that reserved past the budget (no hard cap stopped it) counts as that much heavier; only what the step
-        # itself reserved: the allocator keeps what heavier steps before it reserved.
-        if obs.reserved_peak > max(obs.reserved_at_start, self.budget):
-            heavier = max(heavier, obs.reserved_peak - self.budget)
+        missed = small_miss(plan, obs, self.budget)
+        if missed > p.fit_error:
+            rec.profile = p = dataclasses.replace(p, fit_error=missed)
+            if plan.peak + self.fit_margin > self.budget:
+                self._choose(memory=True)
+        heavier = heavier_than_planned(plan, obs, self.budget)
         if heavier > 0 and rec.lent:
-            self._say(
-                logging.INFO,
-                f"memory_budget: a step of input {self.key} peaked {heavier / GiB:.2f} GiB past a "
-                "larger input's plan; measuring it",
-            )
+            self._say(logging.INFO, words.lent_plan_misled(self.input_key, heavier))
             self._misled_by_lent_plan(frugal=False)
             return
         if heavier > 0:
-            rec.profile = dataclasses.replace(p, correction=p.correction + heavier)
+            rec.profile = dataclasses.replace(rec.profile, correction=rec.profile.correction + heavier)
             self._choose(memory=True)
             return
         if rec.settling and d.phase is not Phase.TRYING:
             rec.settling = False
             self._release_cache = self.cache_worth_emptying(max(obs.peak, plan.peak), obs.reserved)
-        changed = timed
-        # Compute time only falls: a measuring step can be slowed by what only it does (pinning host memory).
-        if 0 < obs.forward_ms < 0.9 * p.forward_ms:
-            rec.profile = p = dataclasses.replace(p, forward_ms=obs.forward_ms)
-            changed = True
-        recomputes = plan.checkpoint_blocks or plan.light_blocks
-        if 0 < obs.backward_ms < 0.9 * p.backward_ms and not recomputes:  # recompute is not pace
-            rec.profile = dataclasses.replace(p, backward_ms=obs.backward_ms)
-            changed = True
-        if changed:
+        faster = with_faster_compute(rec.profile, plan, obs)
+        if faster != rec.profile or timed:
+            rec.profile = faster
             self._choose()
 
     def _abandoned(self, d: Directive, obs: Observation) -> None:
@@ -241,33 +206,11 @@ class Planner:
         if not obs.out_of_memory or rec.plan is None or rec.profile is None:
             return
         if rec.lent:
-            self._say(
-                logging.INFO,
-                f"memory_budget: a step of input {self.key} ran out of memory under a larger "
-                "input's plan; measuring it",
-            )
+            self._say(logging.INFO, words.lent_plan_misled(self.input_key, None))
             self._misled_by_lent_plan(frugal=True)
             return
-        fragments = max(0, obs.reserved - obs.allocated)
-        need = obs.peak + (obs.request or int(self.budget * REPLAN_SHARE)) + fragments
-        heavier = max(0, need - rec.plan.peak - self.fit_margin) + int(self.budget * REPLAN_SHARE)
-        p = rec.profile
-        rec.profile = dataclasses.replace(p, correction=p.correction + heavier, fit_error=max(p.fit_error, fragments))
+        rec.profile = after_out_of_memory(rec.profile, rec.plan, obs, self.budget, self.fit_margin)
         self._choose(memory=True)
-
-    def _learn_fit_error(self, error: int, obs: Observation) -> None:
-        """Fold a planned step's small miss (below the replanning share) and, where the allocator flushed its cache, the
-        fragments it reserved past its peak into the fit margin; plan again where the plan now sits within it."""
-        rec = self.rec
-        assert rec.profile is not None and rec.plan is not None
-        missed = max(0, min(error, int(self.budget * REPLAN_SHARE)))
-        if obs.flushed:
-            missed += max(0, obs.reserved_peak - obs.peak)
-        if missed <= rec.profile.fit_error:
-            return
-        rec.profile = dataclasses.replace(rec.profile, fit_error=missed)
-        if rec.plan.peak + self.fit_margin > self.budget:
-            self._choose(memory=True)
 
     def _follow_base(self, allocated: int) -> None:
         """A planned step that begins with more allocated than the measured one (gradients accumulated, the optimizer's
@@ -277,11 +220,7 @@ class Planner:
         grown = allocated - p.base
         if grown <= self.budget * REPLAN_SHARE / 2:
             return
-        self._say(
-            logging.INFO,
-            f"memory_budget={self.budget / GiB:.2f} GiB: the step begins with {grown / GiB:.2f} "
-            "GiB more allocated than the measured one (gradients, optimizer state); planning again",
-        )
+        self._say(logging.INFO, words.base_grew(self.budget, grown))
         self.rec.profile = dataclasses.replace(p, base=allocated, correction=p.correction + grown)
         self._choose(memory=True)
 
@@ -298,11 +237,7 @@ class Planner:
         p = self.rec.profile
         if p is None:
             return
-        updated = dataclasses.replace(
-            p,
-            link_share=min(p.link_share, machine.link_share),
-            copy_ms_per_gib=max(p.copy_ms_per_gib, machine.copy_ms_per_gib),
-        )
+        updated = machine.taught(p)
         if updated != p:
             self.rec.profile = updated
             self._choose()
@@ -315,43 +250,38 @@ class Planner:
         rec = self.rec
         if rec.plan is not None and rec.profile is not None and rec.plan_since is not None and step >= rec.plan_since:
             return rec if rec.plan.offload_bytes > 0 else None
-        for kept in self.remembered.values():
-            if step in kept.plan_steps and kept.plan is not None and kept.profile is not None:
-                return kept if kept.plan.offload_bytes > 0 else None
-        return None
+        return self.book.ran(step)
 
     # ------------------------------------------------------------------------------------------------ inputs
 
     @property
     def input_key(self) -> Hashable:
-        return None if self.key is NO_INPUT else self.key
+        return None if self.book.key is NO_INPUT else self.book.key
 
     def runs_input(self, key: Hashable) -> bool:
-        return self.key is not NO_INPUT and key == self.key
+        return self.book.runs(key)
 
     def input_changed(self, key: Hashable) -> bool:
         """The next step's input is ``key``. A new input is measured; one met before runs its plan (its trials go on
         where they stopped); a new input no larger in any dimension than a kept one whose plan keeps everything runs
         that plan, unmeasured. The input left is kept. Returns whether the next step measures."""
-        if self.runs_input(key):
+        self.trace.input(key)
+        if self.book.runs(key):
             return self.rec.phase is Phase.MEASURING
-        previous, self.key = self.key, key
-        if previous is NO_INPUT and self.step == 0:
+        if self.book.key is NO_INPUT and self.step == 0:
+            self.book.key = key
             return True  # the first steps measure anyway
         self.abandon()
-        # Taken out before the input left is kept: kept first, the list could run one over and forget the one coming
-        # back. An input none of whose measuring steps ended is kept where its next must be frugal, or a lent plan
-        # misled it.
-        kept = self.remembered.pop(key, None)
-        rec = self.rec
-        if previous is not NO_INPUT and (rec.profile is not None or rec.frugal_next or previous in self.misled):
-            if rec.measure_left > 0:
-                rec.plan = None
-            self.remembered[previous] = rec
-            while len(self.remembered) > REMEMBERED_INPUTS:
-                self.remembered.popitem(last=False)
-        if key not in self.misled and (kept is None or (kept.plan is None and not kept.frugal_next)):
-            kept = self._lender(key) or kept
+        # Taken out before the input left is kept: kept first, the book could run one over and forget the one coming
+        # back.
+        kept, rec = self.book.take(key), self.rec
+        self.book.leave(rec)
+        self.book.key = key
+        if kept is None or (kept.plan is None and not kept.frugal_next):
+            lent = self.book.lend(key)
+            if lent is not None:
+                self._say(logging.DEBUG, words.lent_plan(key, lent[0]))
+                kept = lent[1]
         if kept is None or kept.profile is None:
             frugal = kept.frugal_next if kept is not None else rec.frugal_next
             self.rec = InputRecord(
@@ -363,11 +293,7 @@ class Planner:
             return True
         # What planned steps of other inputs taught about the machine counts here too.
         profile = kept.profile
-        kept.profile = dataclasses.replace(
-            profile,
-            link_share=min(profile.link_share, self.machine.link_share),
-            copy_ms_per_gib=max(profile.copy_ms_per_gib, self.machine.copy_ms_per_gib),
-        )
+        kept.profile = self.machine.taught(profile)
         kept.plan_since = None  # the steps since it last ran ran other plans
         self.rec = kept
         if kept.measure_left > 0:
@@ -379,30 +305,16 @@ class Planner:
     def replan(self, measuring_steps: int = 1) -> None:
         """Measure again at the next ``measuring_steps`` steps; other inputs' records are forgotten (the model or the
         optimizer changed)."""
+        self.trace.add("replan", measuring_steps)
         self.abandon()
-        self.remembered.clear()
-        self.misled.clear()
+        self.book.clear()
         self.copies_lost = False
         self.rec.forget(measuring_steps)
-
-    def _lender(self, key: Hashable) -> InputRecord | None:
-        """A kept input at least as large as ``key`` in every dimension whose plan keeps everything (the smallest such),
-        lent to ``key``: it installs no hooks and costs nothing, and an input no larger saves no more. A step that peaks
-        past it, or runs out of memory, says the shape misled: the input is measured, and never lent a plan again."""
-        lenders = [(name, r) for name, r in self.remembered.items() if r.keeps_everything() and no_larger(key, name)]
-        if not lenders:
-            return None
-        name, lender = min(lenders, key=lambda item: size(item[0]))
-        self._say(logging.DEBUG, f"memory_budget: input {key} runs the plan of input {name}, which keeps everything")
-        return lender.lent_copy()
 
     def _misled_by_lent_plan(self, frugal: bool) -> None:
         self.rec.forget(1)
         self.rec.frugal_next = self.rec.frugal_next or frugal
-        self.misled[self.key] = None
-        self.misled.move_to_end(self.key)
-        while len(self.misled) > _MISLED_INPUTS:
-            self.misled.popitem(last=False)
+        self.book.misled(self.book.key)
 
     # ------------------------------------------------------------------------------------------------ choosing
 
@@ -412,22 +324,10 @@ class Planner:
         plan that still fits, or the plans that fit now timed in turn)."""
         rec = self.rec
         assert rec.profile is not None
-        candidates, trials = self.candidates(), rec.trials
-        if self.copies_lost and not trials.timed:
-            # Another input's trials kept a plan without copies over plans with: the model misprices copies for this
-            # model on this machine. Where a plan without copies fits, plans with are not timed for a new input.
-            keeping = [p for p in candidates if not p.offload_bytes]
-            if any(p.fits for p in keeping):
-                candidates = keeping
-        plan = cheapest_plan(candidates)
-        if trials.done and trials.timed:
-            if not memory:
-                return
-            plan = trials.after_correction(candidates) or plan
-        chosen, trial = trials.choose(rec.profile, candidates, memory)
-        if trials.done and chosen is not None and any(nbytes for _, nbytes, _, _ in trials.timed_plans()):
-            self.copies_lost = not chosen.offload_bytes
-        plan = chosen or plan
+        choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.copies_lost, memory)
+        if choice is None:
+            return
+        plan, trial, self.copies_lost = choice
         plan = dataclasses.replace(plan, fits=plan.peak + self.fit_margin <= self.budget)
         previous, changed = rec.plan, plan != rec.plan
         rec.plan = plan
@@ -435,7 +335,7 @@ class Planner:
             rec.plan_since, rec.plan_steps = None, ()
         # Trials just ended, or a plan that runs other blocks or bytes follows a kept one: its first step says whether
         # the cache the steps before it left is worth emptying.
-        if trials.done and (trial or (previous is not None and timing_key(plan) != timing_key(previous))):
+        if rec.trials.done and (trial or (previous is not None and timing_key(plan) != timing_key(previous))):
             rec.settling = True
         if changed or trial:
             self._tell(plan, trial)
@@ -444,56 +344,18 @@ class Planner:
         """Say the plan chosen: a warning where it does not fit (under a hard cap the next step runs out of memory)."""
         p = self.rec.profile
         assert p is not None
-        text = f"memory_budget={self.budget / GiB:.2f} GiB: {trial}{plan.describe(self.budget)}"
-        if not plan.fits:
-            fixed = p.peak + p.correction - p.resident
-            text += (
-                f", within the fit margin of {self.fit_margin / GiB:.2f} GiB below it (what this model's predictions "
-                "and the allocator's fragments may miss by): the step may run out of memory under a hard limit. Even "
-                f"the most frugal plan needs {plan.peak / GiB:.2f} GiB: weights, gradients and optimizer state take "
-                f"{self.rec.base / GiB:.2f} GiB and the step's other transients (the loss and logits among them) "
-                f"{(fixed - self.rec.base) / GiB:.2f} GiB"
-            )
+        transients = p.peak + p.correction - p.resident - self.rec.base
+        text = words.plan_chosen(self.budget, trial, plan, self.fit_margin, self.rec.base, transients)
         self._say(logging.INFO if plan.fits else logging.WARNING, text, plan=True)
-
-    # ------------------------------------------------------------------------------------------------ measuring
-
-    def _measure_by_parts(self, allocated: int) -> bool:
-        """Whether the next measuring step checkpoints its blocks by their parts, as the one before did: where a block
-        rebuilt whole would take it past what plans aim for. Elsewhere it checkpoints them whole, as most plans do."""
-        whole = self.rec.peaks.rebuilt_whole(self.rec.full_block, allocated)
-        return whole is not None and whole > self.plan_budget
-
-    def _warn_frugal_step(self, allocated: int) -> None:
-        """Say so before a frugal measuring step that is expected to pass the budget: it is as frugal as any plan."""
-        rec = self.rec
-        expected = rec.peaks.next_frugal_peak(allocated)
-        if expected <= self.budget:
-            return
-        held = rec.peaks.backward_peak or rec.peaks.peak
-        self._say(
-            logging.WARNING,
-            f"memory_budget={self.budget / GiB:.2f} GiB: the next step, measuring and as frugal as any plan, should "
-            f"need about {expected / GiB:.2f} GiB: the one before it peaked at {held / GiB:.2f} GiB by the end of its "
-            f"backward, and {max(0, allocated - rec.peaks.base) / GiB:.2f} GiB more are allocated now (the optimizer's "
-            f"state). Weights, gradients and optimizer state take {rec.base / GiB:.2f} GiB; the step's other "
-            f"transients (the loss and logits among them; every activation leaves) {(expected - rec.base) / GiB:.2f} "
-            "GiB. If this is a hard limit, the model does not train at this input size within it: a shorter sequence "
-            "or a smaller batch, or a budget above that",
-        )
 
     def cache_worth_emptying(self, peak: int, reserved: int) -> bool:
         """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding
         ``reserved`` bytes, far more than that and than the plans of the other inputs kept predict, while the budget
         has room for a layout mapped afresh: the cache is then emptied once, before the next step."""
-        peak = max([peak] + [kept.plan.peak for kept in self.remembered.values() if kept.plan is not None])
+        peak = max([peak, *self.book.peaks()])
         if not cache_worth_emptying(reserved, peak, self.budget):
             return False
-        self._say(
-            logging.DEBUG,
-            f"memory_budget={self.budget / GiB:.2f} GiB: the kept plan's first step found "
-            f"{reserved / GiB:.2f} GiB reserved for a {peak / GiB:.2f} GiB peak; emptying the cache once",
-        )
+        self._say(logging.DEBUG, words.emptying_cache(self.budget, reserved, peak))
         return True
 
     def _record(self, d: Directive, obs: Observation) -> None:

@@ -19,6 +19,14 @@ class Machine:
     link_share: float = 1.0
     copy_ms_per_gib: float = 0.0
 
+    def taught(self, profile: StepProfile) -> StepProfile:
+        """``profile`` with what the machine learnt: the lesser link share and the larger price of copies."""
+        return dataclasses.replace(
+            profile,
+            link_share=min(profile.link_share, self.link_share),
+            copy_ms_per_gib=max(profile.copy_ms_per_gib, self.copy_ms_per_gib),
+        )
+
 
 def measured_profile(
     obs: Observation, full_block: BlockSizes | None, base: int, machine: Machine

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from lightning_offload.planner.candidates import shape
+from lightning_offload.planner.candidates import cheapest_plan, shape
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
 
@@ -257,3 +257,27 @@ def family_trials(within: Sequence[Plan]) -> dict[tuple[int, bool, int], Plan]:
         most = max(within, key=lambda p: (p.checkpoint_blocks, not p.split))
         chosen.setdefault(shape(most), most)
     return chosen
+
+
+def choose_plan(
+    trials: PlanTrials, profile: StepProfile, candidates: list[Plan], copies_lost: bool, memory: bool
+) -> tuple[Plan, str, bool] | None:
+    """The next step's plan among ``candidates``: the model's cheapest, or while plans are under trial the next to
+    time, then the fastest timed; what the trials say of it; and whether plans with copies lost to one without
+    (``copies_lost``: another input's trials said so, and where a plan without copies fits, plans with are not timed
+    for a new input: the model misprices copies on this machine). Once plans were timed, only a correction towards
+    ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now timed in turn
+    (``None``: the plan stays)."""
+    if copies_lost and not trials.timed:
+        keeping = [p for p in candidates if not p.offload_bytes]
+        if any(p.fits for p in keeping):
+            candidates = keeping
+    plan = cheapest_plan(candidates)
+    if trials.done and trials.timed:
+        if not memory:
+            return None
+        plan = trials.after_correction(candidates) or plan
+    chosen, trial = trials.choose(profile, candidates, memory)
+    if trials.done and chosen is not None and any(nbytes for _, nbytes, _, _ in trials.timed_plans()):
+        copies_lost = not chosen.offload_bytes
+    return chosen or plan, trial, copies_lost

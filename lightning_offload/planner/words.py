@@ -1,0 +1,67 @@
+"""What the planner says, worded in one place: each function returns one notice's text (sizes in bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from lightning_offload.planner.profile import Plan
+from lightning_offload.units import GiB
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def budget_taken(budget: int, base: int) -> str:
+    return (
+        f"memory_budget={_gib(budget)}: {_gib(base)} are allocated before the step begins (weights, gradients, "
+        "optimizer state): no plan can keep the step within the budget"
+    )
+
+
+def base_grew(budget: int, grown: int) -> str:
+    return (
+        f"memory_budget={_gib(budget)}: the step begins with {_gib(grown)} more allocated than the measured one "
+        "(gradients, optimizer state); planning again"
+    )
+
+
+def lent_plan_misled(key: Hashable, heavier: int | None) -> str:
+    """A step of ``key`` under a larger input's plan peaked ``heavier`` bytes past it (``None``: ran out of memory)."""
+    what = "ran out of memory under" if heavier is None else f"peaked {_gib(heavier)} past"
+    return f"memory_budget: a step of input {key} {what} a larger input's plan; measuring it"
+
+
+def lent_plan(key: Hashable, lender: Hashable) -> str:
+    return f"memory_budget: input {key} runs the plan of input {lender}, which keeps everything"
+
+
+def plan_chosen(budget: int, trial: str, plan: Plan, margin: int, base: int, transients: int) -> str:
+    """The plan chosen (``trial``: what its trials say, or nothing); where it does not fit, why the step may fail."""
+    text = f"memory_budget={_gib(budget)}: {trial}{plan.describe(budget)}"
+    if plan.fits:
+        return text
+    return text + (
+        f", within the fit margin of {_gib(margin)} below it (what this model's predictions and the allocator's "
+        "fragments may miss by): the step may run out of memory under a hard limit. Even the most frugal plan needs "
+        f"{_gib(plan.peak)}: weights, gradients and optimizer state take {_gib(base)} and the step's other transients "
+        f"(the loss and logits among them) {_gib(transients)}"
+    )
+
+
+def frugal_step_passes(budget: int, expected: int, held: int, grown: int, base: int) -> str:
+    return (
+        f"memory_budget={_gib(budget)}: the next step, measuring and as frugal as any plan, should need about "
+        f"{_gib(expected)}: the one before it peaked at {_gib(held)} by the end of its backward, and {_gib(grown)} "
+        f"more are allocated now (the optimizer's state). Weights, gradients and optimizer state take {_gib(base)}; "
+        "the step's other transients (the loss and logits among them; every activation leaves) "
+        f"{_gib(expected - base)}. If this is a hard limit, the model does not train at this input size within it: "
+        "a shorter sequence or a smaller batch, or a budget above that"
+    )
+
+
+def emptying_cache(budget: int, reserved: int, peak: int) -> str:
+    return (
+        f"memory_budget={_gib(budget)}: the kept plan's first step found {_gib(reserved)} reserved for a {_gib(peak)} "
+        "peak; emptying the cache once"
+    )
