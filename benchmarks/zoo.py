@@ -367,6 +367,7 @@ class ArmRecord:
         self.plan = ""  # the planner's last plan, in words
         self.plan_fits: bool | None = None
         self.observations: list[dict[str, Any]] = []
+        self.trace: dict[str, Any] | None = None  # what the planner was told and answered (planner/trace.py)
         self.floor_warned = False  # the planner said, before the failing step, that nothing fits
         self.last_plan = ""
         self.snapshot: list[tuple[str, float]] = []
@@ -402,6 +403,9 @@ def _keep_planner_facts(record: ArmRecord, planner: Any) -> None:
         record.plan = planner.plan.describe(planner.budget)
         record.plan_fits = planner.plan.fits
     record.observations = [o.as_dict() for o in planner.observations]
+    core = getattr(planner, "core", None)
+    if core is not None:
+        record.trace = core.trace.as_dict()
 
 
 class _Phase:
@@ -774,6 +778,7 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         kinds="".join(kind[:1] or "-" for kind in planned.kinds),
         plan=planned.plan or None,
         observations=planned.observations,
+        trace=planned.trace,
         planner_warnings=handler.messages[:5],
     )
     if planned.snapshot:
@@ -1020,10 +1025,15 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def _write(out: Path | None, rows: list[dict[str, Any]], meta: dict[str, Any]) -> int:
+    """The merged rows to ``out`` (JSON, Markdown, plot) and the planners' traces beside it (``<out>-traces.json``, by
+    configuration: what the replay tests read)."""
+    traces = {row["config"]: row.pop("trace") for row in rows if row.get("trace")}
     text = json.dumps({"meta": meta, "summary": summary(rows), "rows": rows}, indent=1, default=str)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
+        if traces:
+            out.with_name(out.stem + "-traces.json").write_text(json.dumps(traces, default=str))
         out.with_suffix(".md").write_text(markdown(rows, meta))
         _plot(rows, out.with_suffix(".png"))
     print(json.dumps(summary(rows), indent=1))

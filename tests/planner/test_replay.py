@@ -1,0 +1,141 @@
+"""Replay: the planner's trace (what it was told and what it answered) told again to a fresh planner gives the same
+answers. Traces recorded by earlier runs live in ``tests/data/traces/``; a change to the planner that changes what it
+answers on them fails here, naming the step.
+
+    python -m tests.planner.test_replay   # record the CPU scenarios' traces again (after a deliberate change)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_offload.planner.trace import TRACED_EVENTS, Trace, key_from_json, key_to_json, recorded_answers, replay
+from tests.test_budget import (
+    BATCH,
+    WIDTH,
+    FakeMemory,
+    SimulatedStreams,
+    Stack,
+    activation_bytes,
+    planned_engine,
+    run_steps,
+    slow_hooked_engine,
+    step_on,
+)
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+
+
+def _trials_on_slow_hooks() -> dict[str, Any]:
+    """Plans timed against each other where every saved tensor costs the hooks 1 ms: one without copies wins."""
+    x = torch.randn(BATCH, WIDTH)
+    _, model, _, engine = slow_hooked_engine(x, trials=True)
+    run_steps(engine, model, x, 24)
+    assert engine.planner is not None
+    return engine.planner.core.trace.as_dict()
+
+
+def _lengths_at_random() -> dict[str, Any]:
+    """Six lengths drawn at random for 60 steps under a budget some fit whole and others only with a plan."""
+    lengths = [BATCH * k // 6 for k in range(1, 7)]
+    act = activation_bytes(torch.randn(BATCH, WIDTH))
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(1 << 20))
+    model = Stack(sim)
+    engine = planned_engine(act * 3 // 4, FakeMemory(base=0, transient=act // 4), model, sim, trials=True)
+    inputs = {n: torch.randn(n, WIDTH) for n in lengths}
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.choice(lengths)
+        step_on(engine, model, inputs[n], key=(n, WIDTH))
+    assert engine.planner is not None
+    return engine.planner.core.trace.as_dict()
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "cpu-trials-slow-hooks": _trials_on_slow_hooks,
+    "cpu-lengths-at-random": _lengths_at_random,
+}
+
+
+def _stored() -> list[Path]:
+    return sorted(TRACES.glob("*.json"))
+
+
+def _first_difference(replayed: list[dict[str, Any]], recorded: list[dict[str, Any]]) -> str:
+    for step, (a, b) in enumerate(zip(replayed, recorded, strict=False), start=1):
+        if a != b:
+            return f"step {step}: replayed {a}, recorded {b}"
+    return f"{len(replayed)} answers replayed, {len(recorded)} recorded"
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_a_trace_told_again_gives_the_same_answers(name: str) -> None:
+    """A trace just recorded through the engine, through JSON and back, replays to the directives it recorded."""
+    trace = json.loads(json.dumps(SCENARIOS[name]()))
+    answers = recorded_answers(trace)
+    assert len(answers) >= 24 and not trace["truncated"]
+    _, replayed = replay(trace)
+    assert replayed == answers, _first_difference(replayed, answers)
+
+
+@pytest.mark.parametrize("path", _stored(), ids=lambda p: p.stem)
+def test_stored_traces_replay_to_the_answers_they_recorded(path: Path) -> None:
+    trace = json.loads(path.read_text())
+    answers = recorded_answers(trace)
+    planner, replayed = replay(trace)
+    assert replayed == answers, f"{path.name}: {_first_difference(replayed, answers)}"
+    assert planner.step == len(answers)
+
+
+def test_the_stored_traces_say_what_the_scenarios_decided() -> None:
+    """What the recorded runs decided, read from their answers: the slow hooks' trials keep a plan without copies that
+    checkpoints; the lengths at random measure each length at most twice and then run kept plans."""
+    assert {p.stem for p in _stored()} >= set(SCENARIOS)
+    slow = recorded_answers(json.loads((TRACES / "cpu-trials-slow-hooks.json").read_text()))
+    assert [a["phase"] for a in slow[:2]] == ["measuring", "measuring"]
+    assert any(a["phase"] == "trying" for a in slow)
+    last = slow[-1]["plan"]
+    assert slow[-1]["phase"] == "planned" and last["offload_bytes"] == 0 and last["checkpoint_blocks"] > 0
+    trace = json.loads((TRACES / "cpu-lengths-at-random.json").read_text())
+    measured: dict[Any, int] = {}
+    key = None
+    for name, *args in trace["events"]:
+        if name == "input":
+            key = key_from_json(args[0])
+        elif name == "begin" and args[1]["phase"] == "measuring":
+            measured[key] = measured.get(key, 0) + 1
+    assert measured and max(measured.values()) <= 2, measured
+    assert recorded_answers(trace)[-1]["phase"] == "planned"
+
+
+def test_a_replay_refuses_what_it_cannot_read() -> None:
+    trace = Trace(1 << 30, trials=True, frugal_first=True).as_dict()
+    with pytest.raises(ValueError, match=r"replay\(trace\): trace version 0, expected 1"):
+        replay({**trace, "version": 0})
+    with pytest.raises(ValueError, match=r"replay\(trace\): unknown event 'step'"):
+        replay({**trace, "events": [["step", {}]]})
+
+
+def test_keys_survive_json_and_a_trace_keeps_its_first_events() -> None:
+    key = (("input_ids", (2, 512)), ("labels", (2, 512)))
+    assert key_from_json(json.loads(json.dumps(key_to_json(key)))) == key
+    assert key_to_json(torch.float16) == "torch.float16"
+    trace = Trace(1, trials=False, frugal_first=False)
+    for i in range(TRACED_EVENTS + 3):
+        trace.add("replan", i)
+    kept = trace.as_dict()
+    assert kept["truncated"] and len(kept["events"]) == TRACED_EVENTS and kept["events"][-1] == ["replan", 4095]
+
+
+if __name__ == "__main__":
+    TRACES.mkdir(parents=True, exist_ok=True)
+    for scenario, record in SCENARIOS.items():
+        (TRACES / f"{scenario}.json").write_text(json.dumps(record(), indent=None) + "\n")
+        print("recorded", scenario)
