@@ -104,6 +104,7 @@ class ActivationOffloadCallback(Callback):
         )
         self._plain_batch = False  # this batch runs without offloading (the memory picture's comparison)
         self._engine: OffloadEngine | None = None  # built in ``setup``, where the device is known
+        self._plans: dict[str, Any] | None = None  # the last fit's plans, for the next (and checkpoints)
         self._active = False
         self._leave_after_backward = True
         self._last_stats = OffloadStats()
@@ -156,6 +157,7 @@ class ActivationOffloadCallback(Callback):
         # One process per device on this machine (ddp, ddp_spawn, fsdp): Lightning's launchers do not set
         # LOCAL_WORLD_SIZE, so the count comes from the trainer.
         self._engine = OffloadEngine(options, model=pl_module, local_processes=max(1, trainer.num_devices))
+        self._engine.load_plans(self._plans)  # an earlier fit's (or a checkpoint's): measured again where they differ
         self._active = True
         self._reporter.start_fit(device)
 
@@ -304,10 +306,24 @@ class ActivationOffloadCallback(Callback):
         if self._picture is not None:
             self._picture.discard_batch()
         if self._engine is not None:
+            self._plans = self._engine.plans_state()
             self._engine.reset()
             self._engine = None
             release_host_memory()
         self._active = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The planner's plans (plain values, with a fingerprint of the model, budget and device): a fit resumed from
+        the checkpoint runs them without measuring, where those are the same."""
+        plans = self._engine.plans_state() if self._engine is not None else self._plans
+        return {"plans": plans} if plans is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._plans = state_dict.get("plans")
+        if self._engine is not None and (self._engine.planner is None or not self._engine.planner.step):
+            self._engine.load_plans(self._plans)
 
     def _leave_model(self, pl_module: pl.LightningModule) -> None:
         """Remove every checkpoint wrapper this callback (or its planner) applied."""

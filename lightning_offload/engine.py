@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_offload import policy
 from lightning_offload.budget import BudgetPlanner, check_measuring_steps, close_step, plan_step, planner_for
+from lightning_offload.carried_plans import carried, fingerprint, take_carried
 from lightning_offload.checkpointing import WrappedBlocks
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
 from lightning_offload.device_memory import DeviceMemory, SettledCache, use_expandable_segments
@@ -92,6 +93,7 @@ class OffloadEngine:
         self._streams = streams
         self._memory = memory
         self.planner: BudgetPlanner | None = None  # created with the device, when the options plan
+        self._carried_plans: dict[str, Any] | None = None  # an earlier fit's plans, given to the planner as it is made
         self._settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         # Resolved at the first install, where the device is known: the engine must pickle before first use.
         self._device: torch.device | None = None
@@ -265,6 +267,8 @@ class OffloadEngine:
         self._outbound = OutboundQueue(self.options, self._transfer, self._pool, self.host_limit)
         self._inbound = InboundQueue(self._transfer, device, self.options.prefetch_bytes)
         self.planner = planner_for(self.options, device, self._transfer, model, self._memory)
+        if self.planner is not None and self._carried_plans is not None:
+            take_carried(self.planner.core, self._fingerprint(), self._carried_plans)
         if self.planner is None and self.options.mode != "off" and (self._memory is not None or device.type == "cuda"):
             memory = self._memory if self._memory is not None else DeviceMemory(device)
             self._settling = SettledCache(memory, budget)
@@ -301,6 +305,28 @@ class OffloadEngine:
         are about to leave (an engine whose plan keeps everything leaves the allocator alone). Returns whether the
         allocator switched (and emptied its cache) here."""
         return self.options.mode != "off" and self._device is not None and use_expandable_segments(self._device)
+
+    def plans_state(self) -> dict[str, Any] | None:
+        """The planner's plans, as plain values with a fingerprint of the model, budget and device they were measured
+        on (``None``: nothing planned yet); :meth:`load_plans` gives them to another engine."""
+        if self.planner is None:
+            return self._carried_plans
+        return carried(self.planner.core, self._fingerprint())
+
+    def load_plans(self, state: dict[str, Any] | None) -> None:
+        """Plans from :meth:`plans_state` of an earlier engine (an earlier fit, a checkpoint): inputs met again run
+        them without measuring, where the model, budget and device are the same; elsewhere they measure afresh. Call
+        it before the first step."""
+        if self.planner is not None and self.planner.step:
+            raise RuntimeError("OffloadEngine.load_plans(state): call it before the first step")
+        self._carried_plans = state
+        if self.planner is not None and state is not None:
+            take_carried(self.planner.core, self._fingerprint(), state)
+
+    def _fingerprint(self) -> str:
+        assert self.planner is not None and self._device is not None
+        model = self._model_ref() if self._model_ref is not None else None
+        return fingerprint(model, self.planner.budget, self._device, self.planner.memory.total())
 
     def input_changed(self, key: Hashable) -> None:
         """Name the next step's input, e.g. ``tuple(batch.shape)`` (call it before each step, outside the block): under

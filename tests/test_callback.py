@@ -1075,10 +1075,12 @@ def test_a_budget_on_the_cpu_is_said_once_as_the_callback_is_made_and_the_fit_sa
     assert callback.stats.offloaded_bytes > 0
 
 
-def test_two_callbacks_rejected_at_setup(tmp_path: Path) -> None:
+def test_two_callbacks_rejected_before_anything_runs(tmp_path: Path) -> None:
+    """Two callbacks would stack their hooks (only the innermost runs) and share one checkpoint entry for their plans:
+    Lightning refuses the second stateful callback of the class as the Trainer is made."""
     first, second = offload_callback(), offload_callback()
     module = LitNet()
-    with pytest.raises(RuntimeError, match="holds 2 ActivationOffloadCallback instances"):
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `ActivationOffloadCallback`"):
         fit(tmp_path, module, batches(2), [first, second])
     assert module.forward_log == []
     assert top_hooks() is None

@@ -184,3 +184,34 @@ def test_blocks_compiled_one_by_one_train_as_without_the_callback_and_are_offloa
     assert everything.stats.offloaded_bytes > 0 and default.stats.offloaded_bytes == 0
     for a, b, c in zip(plain.parameters(), offloaded.parameters(), unplanned.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_second_fit_runs_the_first_fits_plans_without_measuring(tmp_path: Path) -> None:
+    """One callback, two fits of the same module: the second runs the plans the first measured (kept at teardown),
+    and the callback's state_dict carries them for a resumed fit."""
+    callback = ActivationOffloadCallback()
+    kinds: list[list[str]] = []
+
+    class Kinds(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            assert callback.engine is not None and callback.engine.planner is not None
+            kinds.append([r.kind for r in callback.engine.planner.records])
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 4096, (8, 4, 1024))
+    module = TokenModule()
+    for fit in range(2):
+        trainer = pl.Trainer(
+            accelerator="cuda",
+            devices=1,
+            max_steps=4,
+            callbacks=[callback, Kinds()],
+            logger=pl.loggers.CSVLogger(tmp_path / str(fit)),
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(list(data), batch_size=None))
+    assert kinds[0][:2] == ["measuring", "measuring"], kinds
+    assert kinds[1] and "measuring" not in kinds[1], kinds
+    assert callback.state_dict()["plans"]["plans"]["inputs"]

@@ -27,6 +27,10 @@ class InputBook:
         """Whether ``key`` names the current input (``None`` is a key like any other; before any, none does)."""
         return self.key is not NO_INPUT and key == self.key
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether a record of ``key`` is kept."""
+        return key in self._kept
+
     def records(self) -> Iterator[tuple[Hashable, InputRecord]]:
         return iter(self._kept.items())
 

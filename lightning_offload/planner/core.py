@@ -268,9 +268,9 @@ class Planner:
         self.trace.input(key)
         if self.book.runs(key):
             return self.rec.phase is Phase.MEASURING
-        if self.book.key is NO_INPUT and self.step == 0:
+        if self.book.key is NO_INPUT and self.step == 0 and not self.book.holds(key):
             self.book.key = key
-            return True  # the first steps measure anyway
+            return True  # the first steps measure anyway (unless a restored plan is this input's)
         self.abandon()
         # Taken out before the input left is kept: kept first, the book could run one over and forget the one coming
         # back.

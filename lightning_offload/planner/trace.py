@@ -80,7 +80,9 @@ class Trace:
 def replay(trace: dict[str, Any]) -> tuple[Planner, list[dict[str, Any]]]:
     """Tell a fresh planner what ``trace`` (from :meth:`Trace.as_dict`) records; returns it and the summary of each
     directive it answered, in order (compare with the ``begin`` events' recorded ones)."""
-    from lightning_offload.planner.core import Planner  # (the core records traces: imported here, not at the top)
+    # (The core records traces: imported here, not at the top.)
+    from lightning_offload.planner.core import Planner
+    from lightning_offload.planner.state import restore_plans
 
     if trace.get("version") != TRACE_VERSION:
         raise ValueError(f"replay(trace): trace version {trace.get('version')!r}, expected {TRACE_VERSION}")
@@ -95,6 +97,8 @@ def replay(trace: dict[str, Any]) -> tuple[Planner, list[dict[str, Any]]]:
             planner.observe(Observation.from_dict(args[0]))
         elif name == "replan":
             planner.replan(args[0])
+        elif name == "restore":
+            restore_plans(planner, args[0])
         else:
             raise ValueError(f"replay(trace): unknown event {name!r}")
     return planner, answers

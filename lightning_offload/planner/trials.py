@@ -11,8 +11,10 @@ Torch only: no Lightning import.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_offload.planner.candidates import cheapest_plan, shape
 from lightning_offload.planner.profile import Plan, StepProfile
@@ -71,6 +73,38 @@ class PlanTrials:
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
         self._stepped_down = False  # a plan below a flushing fastest one was added to this round
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
+
+    def as_state(self) -> dict[str, Any]:
+        """The trials as plain values (:meth:`from_state` reads them back)."""
+
+        def table(values: dict[Any, Any]) -> list[list[Any]]:
+            return [[list(key), value] for key, value in values.items()]
+
+        return {
+            "done": self.done,
+            "runs": table(self._runs),
+            "ms": table(self._ms),
+            "flushed": table(self._flushed),
+            "compared": None if self._compared is None else [dataclasses.asdict(p) for p in self._compared],
+            "stepped_down": self._stepped_down,
+            "rounds": self._rounds,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], enabled: bool) -> PlanTrials:
+        """The trials :meth:`as_state` wrote; a trial in progress starts its plan's steps over (the first settles)."""
+        trials = cls(enabled)
+        if not enabled:
+            return trials
+        trials.done = state["done"]
+        trials._runs = {tuple(k): v for k, v in state["runs"]} if state["done"] else {}
+        trials._ms = {tuple(k): list(v) for k, v in state["ms"]}
+        trials._flushed = {tuple(k): v for k, v in state["flushed"]}
+        if state["compared"] is not None:
+            trials._compared = [Plan(**{**p, "phases": tuple(p["phases"])}) for p in state["compared"]]
+        trials._stepped_down = state["stepped_down"]
+        trials._rounds = state["rounds"]
+        return trials
 
     @property
     def timed(self) -> bool:
