@@ -3,10 +3,10 @@
 This module is the engine's side of the planner (:mod:`lightning_offload.planner`, pure): :class:`BudgetPlanner`
 reads the device's allocator counters and the model's blocks through a step, hands the pure core one
 :class:`~lightning_offload.planner.steps.Observation` as the step ends, and applies the
-:class:`~lightning_offload.planner.steps.Directive` it returns as the next begins: which blocks run checkpointed, how
-far the copies may run ahead (:func:`plan_step`), and, for a measuring step, the watermark past which everything
-offloads. What the core says goes out through one channel: the ``lightning_offload`` logger, and
-:attr:`BudgetPlanner.on_plan` for plans.
+:class:`~lightning_offload.planner.steps.Directive` it returns as the next begins (through
+:mod:`lightning_offload.step_driver`): which blocks run checkpointed, how far the copies may run ahead, and, for a
+measuring step, the watermark past which everything offloads. What the core says goes out through one channel: the
+``lightning_offload`` logger, and :attr:`BudgetPlanner.on_plan` for plans.
 
 A measuring step counts what forward saves block by block and times forward's and backward's compute; under a budget
 the user gave it offloads everything from the first saved tensor and checkpoints every repeated block but one (run in
@@ -24,27 +24,21 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_offload.device_memory import DeviceMemory
-from lightning_offload.inbound import InboundQueue
-from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
-from lightning_offload.outbound import OutboundQueue
 from lightning_offload.planned_blocks import PlannedBlocks
 from lightning_offload.planner.aims import default_budget
 from lightning_offload.planner.core import Planner
-from lightning_offload.planner.profile import Plan, StepProfile, frugal_cap
+from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.planner.steps import CopyLimits, Observation, Phase, StepRecord, StepStart
 from lightning_offload.stats import OffloadStats
-from lightning_offload.transfer import StreamedTransfer
 from lightning_offload.units import GiB
 
-__all__ = ["BudgetPlanner", "check_measuring_steps", "close_step", "default_budget", "plan_step", "planner_for"]
+__all__ = ["BudgetPlanner", "check_measuring_steps", "default_budget"]
 
 _log = logging.getLogger("lightning_offload")
 _CAPACITY_ROUNDING = 1 << 20  # a fraction set to give exactly the budget reads back a little under it
-_KEEP_ALL = 1 << 62  # a tail no forward reaches: a measuring step keeps every saved tensor until its watermark
+KEEP_ALL = 1 << 62  # a tail no forward reaches: a measuring step keeps every saved tensor until its watermark
 
 
 def process_capacity(memory: Any) -> int | None:
@@ -363,84 +357,3 @@ class BudgetPlanner:
         """The allocator counter ``name``; 0 where the memory object has none (a test's fake)."""
         read = getattr(self.memory, name, None)
         return read() if read is not None else 0
-
-
-def planner_for(
-    options: OffloadOptions, device: torch.device, transfer: Any, model: nn.Module | None, memory: Any = None
-) -> BudgetPlanner | None:
-    """The planner an engine with these options needs, or ``None`` (no budget, a manual override, no streams, or no
-    allocator counters: ``memory`` or CUDA's). This is the one place that decides whether steps are planned."""
-    if memory is None and device.type == "cuda":
-        memory = DeviceMemory(device)
-    if not options.plans or memory is None or not isinstance(transfer, StreamedTransfer):
-        return None
-    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
-
-
-def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, stats: OffloadStats) -> None:
-    """End the planner's open step (``stats`` describe it): it learns from its peak and timings, and the next step's
-    device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step`` earlier,
-    where a batch runs without it or validation runs. A step ends once."""
-    assert isinstance(transfer, StreamedTransfer)
-    limits = None
-    if planner.measuring:
-        limits = CopyLimits(
-            tail=outbound.default_tail,
-            prefetch_bytes=outbound.prefetch_cap,
-            inflight_cap=outbound.configured_inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES,
-            inflight_fixed=outbound.inflight_fixed,
-            host_bytes=outbound.host_capacity(),
-        )
-        forward_ms, backward_ms = transfer.forward_ms(), transfer.backward_ms()
-    else:
-        forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
-    step_ms = transfer.step_began(planner.trying)  # a host sync, only while plans are timed
-    planner.end_step(
-        stats,
-        forward_ms,
-        backward_ms,
-        step_ms,
-        transfer.link_rate,
-        limits,
-        forward_timing=transfer.last_forward,
-        copy_waits=transfer.last_stalls,
-    )
-
-
-def plan_step(
-    planner: BudgetPlanner,
-    transfer: Any,
-    outbound: OutboundQueue | None,
-    inbound: InboundQueue | None,
-    stats: OffloadStats,
-    position: Callable[[], int],
-) -> int | None:
-    """Close the planner's previous step (``stats`` describe it) and configure the copy queues for the next one.
-
-    Returns:
-        The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
-        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
-    """
-    assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
-    close_step(planner, transfer, outbound, stats)
-    plan = planner.begin_step(position)
-    profile = planner.profile
-    apart = plan is not None and profile is not None and profile.two_peaks
-    # Plans with the head's backward apart count no copy in flight there: the engine lets go of them as forward
-    # reaches the head.
-    planner.at_head(outbound.let_go_all if apart else None)
-    # The link model runs on the profile's paces (the planner's own, corrected by faster later steps).
-    pace = (profile.eligible, profile.forward_ms, profile.backward_ms) if plan is not None and profile else None
-    transfer.configure(planner.step, pace)
-    if plan is None:
-        # Measuring: keep everything unless memory passes the watermark; from there on the step must be frugal, so
-        # copies barely run ahead of compute either way.
-        frugal = frugal_cap(planner.budget)
-        outbound.configure(
-            tail=_KEEP_ALL, inflight_cap=min(outbound.configured_inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES, frugal)
-        )
-        inbound.configure(cap=min(outbound.prefetch_cap, frugal))
-        return None
-    outbound.configure(tail=outbound.default_tail, inflight_cap=plan.inflight_cap)
-    inbound.configure(cap=plan.prefetch_cap if plan.prefetch_cap is not None else outbound.prefetch_cap)
-    return plan.offload_bytes

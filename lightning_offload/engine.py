@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from typing_extensions import override
 
 from lightning_offload import policy
-from lightning_offload.budget import BudgetPlanner, check_measuring_steps, close_step, plan_step, planner_for
+from lightning_offload.budget import BudgetPlanner, check_measuring_steps
 from lightning_offload.carried_plans import carried, fingerprint, take_carried
 from lightning_offload.checkpointing import WrappedBlocks
 from lightning_offload.copies import SavedView, State, StorageCopy, modified_error, version_root
@@ -48,6 +48,7 @@ from lightning_offload.outbound import OutboundQueue
 from lightning_offload.planned_blocks import compiled_across_blocks, compiled_modules
 from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
+from lightning_offload.step_driver import close_step, plan_step, planner_for
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
 from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer, producer_stream
 

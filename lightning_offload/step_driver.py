@@ -1,0 +1,102 @@
+"""Where the engine meets its planner at the edges of a step: whether steps are planned at all (:func:`planner_for`),
+a step's end read into the planner (:func:`close_step`) and the next step's directive applied to the copy queues and
+the transfer through their own ``configure`` calls (:func:`plan_step`). Torch only: no Lightning import."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_offload.budget import KEEP_ALL, BudgetPlanner
+from lightning_offload.device_memory import DeviceMemory
+from lightning_offload.inbound import InboundQueue
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
+from lightning_offload.outbound import OutboundQueue
+from lightning_offload.planner.profile import frugal_cap
+from lightning_offload.planner.steps import CopyLimits
+from lightning_offload.stats import OffloadStats
+from lightning_offload.transfer import StreamedTransfer
+
+
+def planner_for(
+    options: OffloadOptions, device: torch.device, transfer: Any, model: nn.Module | None, memory: Any = None
+) -> BudgetPlanner | None:
+    """The planner an engine with these options needs, or ``None`` (no budget, a manual override, no streams, or no
+    allocator counters: ``memory`` or CUDA's). This is the one place that decides whether steps are planned."""
+    if memory is None and device.type == "cuda":
+        memory = DeviceMemory(device)
+    if not options.plans or memory is None or not isinstance(transfer, StreamedTransfer):
+        return None
+    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
+
+
+def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, stats: OffloadStats) -> None:
+    """End the planner's open step (``stats`` describe it): it learns from its peak and timings, and the next step's
+    device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step`` earlier,
+    where a batch runs without it or validation runs. A step ends once."""
+    assert isinstance(transfer, StreamedTransfer)
+    limits = None
+    if planner.measuring:
+        limits = CopyLimits(
+            tail=outbound.default_tail,
+            prefetch_bytes=outbound.prefetch_cap,
+            inflight_cap=outbound.configured_inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES,
+            inflight_fixed=outbound.inflight_fixed,
+            host_bytes=outbound.host_capacity(),
+        )
+        forward_ms, backward_ms = transfer.forward_ms(), transfer.backward_ms()
+    else:
+        forward_ms, backward_ms = transfer.last_compute_ms, transfer.last_backward_ms
+    step_ms = transfer.step_began(planner.trying)  # a host sync, only while plans are timed
+    planner.end_step(
+        stats,
+        forward_ms,
+        backward_ms,
+        step_ms,
+        transfer.link_rate,
+        limits,
+        forward_timing=transfer.last_forward,
+        copy_waits=transfer.last_stalls,
+    )
+
+
+def plan_step(
+    planner: BudgetPlanner,
+    transfer: Any,
+    outbound: OutboundQueue | None,
+    inbound: InboundQueue | None,
+    stats: OffloadStats,
+    position: Callable[[], int],
+) -> int | None:
+    """Close the planner's previous step (``stats`` describe it) and configure the copy queues for the next one.
+
+    Returns:
+        The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
+        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
+    """
+    assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
+    close_step(planner, transfer, outbound, stats)
+    plan = planner.begin_step(position)
+    profile = planner.profile
+    apart = plan is not None and profile is not None and profile.two_peaks
+    # Plans with the head's backward apart count no copy in flight there: the engine lets go of them as forward
+    # reaches the head.
+    planner.at_head(outbound.let_go_all if apart else None)
+    # The link model runs on the profile's paces (the planner's own, corrected by faster later steps).
+    pace = (profile.eligible, profile.forward_ms, profile.backward_ms) if plan is not None and profile else None
+    transfer.configure(planner.step, pace)
+    if plan is None:
+        # Measuring: keep everything unless memory passes the watermark; from there on the step must be frugal, so
+        # copies barely run ahead of compute either way.
+        frugal = frugal_cap(planner.budget)
+        outbound.configure(
+            tail=KEEP_ALL, inflight_cap=min(outbound.configured_inflight_cap or DEFAULT_MAX_INFLIGHT_BYTES, frugal)
+        )
+        inbound.configure(cap=min(outbound.prefetch_cap, frugal))
+        return None
+    outbound.configure(tail=outbound.default_tail, inflight_cap=plan.inflight_cap)
+    inbound.configure(cap=plan.prefetch_cap if plan.prefetch_cap is not None else outbound.prefetch_cap)
+    return plan.offload_bytes
