@@ -318,21 +318,21 @@ def test_cache_kwarg_dropped_under_checkpointing(toy: Toy) -> None:
 
 
 def test_cache_warning_comes_from_rank_zero_only(toy: Toy, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_offload import checkpointing
+    from lightning_offload import checkpointed_forward
 
     apply_checkpointing(toy)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    checkpointing._warn_cache_once.cache_clear()  # it warns once per process: start from "not yet"
+    checkpointed_forward._warn_cache_once.cache_clear()  # it warns once per process: start from "not yet"
     try:
         for rank, warns in ((1, False), (0, True)):
             monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
-            checkpointing._warn_cache_once.cache_clear()
+            checkpointed_forward._warn_cache_once.cache_clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 toy(torch.randint(0, 50, (1, 4)), cache=[]).sum().backward()
             assert any("cache is disabled" in str(w.message) for w in caught) == warns, f"rank {rank}"
     finally:
-        checkpointing._warn_cache_once.cache_clear()
+        checkpointed_forward._warn_cache_once.cache_clear()
 
 
 def test_deepcopy_and_pickle_keep_their_own_module(toy: Toy) -> None:
