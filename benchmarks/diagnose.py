@@ -91,10 +91,12 @@ class PhasePeaks:
 
 
 def _split_phases(planner: Any, blocks: list[torch.nn.Module]) -> PhasePeaks:
-    """Make ``planner`` count its peaks through a :class:`PhasePeaks` that tells backward's start and end apart."""
+    """Make ``planner`` (and the marks its datapath sets) count peaks through a :class:`PhasePeaks` that tells
+    backward's start and end apart."""
+    marks = planner.marks
     phases = PhasePeaks(planner.memory, blocks)
-    planner.memory = phases
-    started, finished = planner.backward_started, planner.backward_finished
+    planner.memory = marks.memory = phases
+    started, finished = marks.backward_started, marks.backward_finished
 
     def backward_started() -> None:
         started()
@@ -104,13 +106,13 @@ def _split_phases(planner: Any, blocks: list[torch.nn.Module]) -> PhasePeaks:
         finished()
         phases.next_phase("optimizer")
 
-    planner.backward_started, planner.backward_finished = backward_started, backward_finished
+    marks.backward_started, marks.backward_finished = backward_started, backward_finished
     return phases
 
 
 def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -> dict[str, Any]:
     """What step ``index`` ran and how long it waited (after a synchronization: every timing is done)."""
-    transfer, planner = engine._transfer, engine.planner
+    transfer, planner = engine._path.transfer, engine.planner
     record: dict[str, Any] = {"step": index, "wall_s": round(wall_s, 4)}
     if hasattr(transfer, "forward_ms"):
         compute = transfer.forward_ms()
@@ -132,7 +134,7 @@ def _step_record(engine: Any, index: int, wall_s: float, device: torch.device) -
         record["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 2)
     if planner is not None:
         record["measuring"] = planner.measuring
-        record["fwd_peak_gib"] = round(planner.forward_peak / GiB, 2)  # the peak as backward began
+        record["fwd_peak_gib"] = round(planner.marks.forward_peak / GiB, 2)  # the peak as backward began
         if planner.plan is not None:
             plan = planner.plan
             parts = " by parts" if plan.split else ""

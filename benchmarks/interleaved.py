@@ -17,9 +17,9 @@ Arms (each one that changes the model gets a copy of its own, with the same weig
   ``0mib``: its hooks on every saved tensor, nothing offloaded).
 
 For every arm with an engine the tool also sums, per step, the host time spent inside the engine's entry points
-(``install``, ``_pack``, ``_unpack``: ``engine_host_us``, the medians over the timed steps): what its bookkeeping costs
-the host, apart from the noise of the step around it (on an H200, small-h512's steps moved by ~1 ms between two
-processes, the engine's own time by a few percent).
+(``install``, and the hooks ``pack`` and ``unpack``: ``engine_host_us``, the medians over the timed steps): what its
+bookkeeping costs the host, apart from the noise of the step around it (on an H200, small-h512's steps moved by ~1 ms
+between two processes, the engine's own time by a few percent).
 
 There are no arms under a memory budget: the planner reads the process's allocator, where the other arms' weights,
 optimizer states and cached blocks sit, and on an H200 it planned small-h512's 0.95x budget by parts with 0.32 GiB
@@ -51,8 +51,8 @@ from benchmarks.workloads import WORKLOADS, tiny
 from lightning_offload import offload_activations
 from lightning_offload.checkpointing import apply_checkpointing
 
-# The engine's methods whose host time is summed per step (the hooks, and the per-step install).
-_ENTRY_POINTS = ("install", "_pack", "_unpack")
+# The methods whose host time is summed per step: the engine's per-step install, and its datapath's hooks.
+_ENTRY_POINTS = ("install", "pack", "unpack")
 # Steps each arm runs before timing: the default engine's two measuring steps, its first planned step and one more.
 _WARMUP_STEPS = 4
 _ARM_PATTERNS = (
@@ -81,11 +81,12 @@ class _Arm:
             return
         for entry in _ENTRY_POINTS:
             self.host[entry] = []
-            setattr(self.engine, entry, self._timed(entry, getattr(self.engine, entry)))
+            owner = self.engine if entry == "install" else self.engine._path
+            setattr(owner, entry, self._timed(entry, getattr(owner, entry)))
 
     def _timed(self, entry: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call`` (a bound method of the engine), with the host time spent in it added to the step's sum. (The engine
-        looks its hooks up on itself when it installs them, so the instance attribute is what runs.)"""
+        """``call`` (a bound method of the engine or its datapath), with the host time spent in it added to the step's
+        sum. (The engine looks the hooks up on its datapath when it installs them: the instance attribute runs.)"""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()

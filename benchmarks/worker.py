@@ -673,7 +673,7 @@ class Runner:
             # What the memory-budget planner measured and chose (after the last timed step).
             row["plan"] = dataclasses.asdict(planner.plan)
             row["profile"] = dataclasses.asdict(planner.profile)
-            row["forward_peak_gib"] = planner.forward_peak / GiB  # the last step's peak as its backward began
+            row["forward_peak_gib"] = planner.marks.forward_peak / GiB  # the last step's peak as its backward began
             # The plans timed against each other: blocks checkpointed, GiB offloaded, mean timed step (device ms).
             row["plan_trials"] = [[k, b / GiB, ms, j] for k, b, ms, j in getattr(planner, "timed_plans", [])]
             # ... and each one's timed steps, in the order the plans ran: blocks, GiB, light blocks, device ms per step.

@@ -32,6 +32,7 @@ from lightning_offload.planner.core import Planner
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.planner.steps import CopyLimits, Observation, Phase, StepRecord, StepStart
 from lightning_offload.stats import OffloadStats
+from lightning_offload.step_marks import StepMarks, counter
 from lightning_offload.units import GiB
 
 __all__ = ["BudgetPlanner", "check_measuring_steps", "default_budget"]
@@ -95,16 +96,10 @@ class BudgetPlanner:
         self.core = Planner(
             default_budget(capacity) if budget is None else budget, trials, frugal_first=budget is not None
         )
-        self.owns_peaks = owns_peaks
         self.on_plan: Callable[[str], None] | None = None  # told each new plan, in words
-        self.watermark: int | None = None  # a measuring step offloads everything once allocated passes this
+        self.owns_peaks = owns_peaks
+        self.marks = StepMarks(memory)  # what the datapath marks through the step
         self._blocks = PlannedBlocks(model, clock)
-        self._tripped = False  # the step passed its watermark
-        self._reserved_at_start = self._retries_at_start = 0
-        self.forward_peak = 0  # the step's peak as its backward began (forward's, the loss's included)
-        # The step's backward as it left the head: the head's saved bytes (a measuring step's), the peak so far and
-        # what was allocated then; the peak as backward ended; the largest peak seen before a caller's reset.
-        self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = self._backward_peak = 0
 
     # What the core holds, for the engine, the callback and the benchmarks.
     budget = property(lambda self: self.core.budget)
@@ -139,9 +134,7 @@ class BudgetPlanner:
         """The plans timed for the current input: blocks checkpointed, bytes offloaded, median ms, light blocks."""
         return self.core.rec.trials.timed_plans()
 
-    @property
-    def trial_steps(self) -> list[tuple[int, int, int, list[float]]]:
-        return self.core.rec.trials.timed_steps()
+    trial_steps = property(lambda self: self.core.rec.trials.timed_steps())  # each timed plan's step times
 
     @property
     def observations(self) -> deque[StepRecord]:
@@ -177,54 +170,26 @@ class BudgetPlanner:
         held = 0  # what the allocator held before emptying its cache (0: not emptied)
         release = getattr(self.memory, "release_cache", None)
         if self.core.empties_cache and release is not None:
-            held = self._counter("reserved")
+            held = counter(self.memory, "reserved")
             release()
         if self.owns_peaks:
             self.memory.reset_peak()
-        directive = self.core.begin(StepStart(self.memory.allocated(), self._expandable()))
-        self.forward_peak = self._backward_peak = 0
-        self._head_bytes = self._head_peak = self._head_allocated = self._backward_end_peak = 0
-        # A caller that resets the counters itself still holds the reserved peak from before the cache was emptied.
-        self._reserved_at_start = max(self._counter("reserved"), 0 if self.owns_peaks else held)
-        self._retries_at_start = self._counter("alloc_retries")
+        expandable = getattr(self.memory, "expandable", None)
+        directive = self.core.begin(StepStart(self.memory.allocated(), bool(expandable and expandable())))
+        measure = directive.measure
+        self.marks.begin(held, measure.watermark if measure is not None else None, self.owns_peaks)
         self._say()
         if directive.plan is not None:
             plan = directive.plan
             self._blocks.checkpoint_last(plan.checkpoint_blocks, plan.split, plan.light_blocks)
             return plan
-        measure = directive.measure
         assert measure is not None
         if measure.one_in_full:
             self._blocks.checkpoint_all_but_one(split=True)
         else:
             self._blocks.checkpoint_last(len(self._blocks) if measure.frugal else 0, split=measure.by_parts)
-        self.watermark, self._tripped = measure.watermark, False
         self._blocks.watch(position)
         return None
-
-    def passed_watermark(self) -> bool:
-        """Whether a measuring step's device memory just passed its watermark (true once per step): from there on the
-        step offloads everything it saved and saves."""
-        if self.watermark is None or self.memory.allocated() <= self.watermark:
-            return False
-        self.watermark, self._tripped = None, True
-        return True
-
-    def cache_emptied(self) -> None:
-        """The allocator emptied its cache as this step began (it switched to expandable segments): the step's peaks
-        and reserved bytes count from now, not from the segments just returned."""
-        if self.owns_peaks:
-            self.memory.reset_peak()
-        self._reserved_at_start = self._counter("reserved")
-
-    def backward_started(self) -> None:
-        """Note forward's peak (the loss's transient included) as backward begins."""
-        self.forward_peak = self.memory.peak()
-
-    def backward_finished(self) -> None:
-        """Note the step's peak now, before anyone resets the counters (autograd calls this when backward ends)."""
-        self._backward_end_peak = self.memory.peak()
-        self._backward_peak = max(self._backward_peak, self._backward_end_peak)
 
     def head_start(self, forward_start: int, forward_end: int) -> int | None:
         """The position where the head's saved bytes begin in the forward that saved ``[forward_start, forward_end)``
@@ -232,19 +197,12 @@ class BudgetPlanner:
         its last block ended; a planned step from its profile, where the plan counts the head's backward apart."""
         if self.measuring:
             end = self._blocks.last_end()
-            self._head_bytes = forward_end - end if forward_start < end < forward_end else 0
-            return end if self._head_bytes else None
+            self.marks.head_bytes = forward_end - end if forward_start < end < forward_end else 0
+            return end if self.marks.head_bytes else None
         p = self.profile
         if self.plan is None or p is None or not p.two_peaks:
             return None
         return forward_end - p.head_bytes
-
-    def left_head(self, in_flight: int = 0) -> None:
-        """Backward has left the head (the loss's transient is gone): note the peak so far and what is allocated, less
-        the ``in_flight`` bytes of sources still held for their copies out (a measuring step offloads the head's own
-        bytes too, and the last of those copies may still run)."""
-        self._head_peak = self.memory.peak()
-        self._head_allocated = max(0, self.memory.allocated() - in_flight)
 
     def end_step(
         self,
@@ -260,22 +218,21 @@ class BudgetPlanner:
         """The step that :meth:`begin_step` started is over (``stats`` describe it): the core learns from it."""
         if self.core.open is None:
             return
-        measuring = self.measuring
+        measuring, marks = self.measuring, self.marks
         if measuring:
-            self.watermark = None
+            marks.watermark = None
             self._blocks.unwatch()
-        # The peak noted when backward finished, or read now: a caller may reset the counters between steps.
         obs = Observation(
-            peak=max(self._backward_peak, self.memory.peak()),
-            forward_peak=self.forward_peak,
-            head_peak=self._head_peak,
-            head_bytes=self._head_bytes,
-            head_allocated=self._head_allocated,
-            backward_peak=self._backward_end_peak,
-            reserved=self._counter("reserved"),
-            reserved_peak=self._counter("reserved_peak"),
-            reserved_at_start=self._reserved_at_start,
-            flushed=self._counter("alloc_retries") > self._retries_at_start,
+            peak=marks.peak(),
+            forward_peak=marks.forward_peak,
+            head_peak=marks.head_peak,
+            head_bytes=marks.head_bytes,
+            head_allocated=marks.head_allocated,
+            backward_peak=marks.backward_end_peak,
+            reserved=counter(self.memory, "reserved"),
+            reserved_peak=counter(self.memory, "reserved_peak"),
+            reserved_at_start=marks.reserved_at_start,
+            flushed=marks.flushed(),
             eligible=stats.eligible_bytes,
             offloaded=stats.offloaded_bytes,
             forward_ms=forward_ms,
@@ -283,7 +240,7 @@ class BudgetPlanner:
             step_ms=step_ms,
             link_bytes_per_ms=link_bytes_per_ms,
             pinned=stats.host_allocations > 0,
-            tripped=self._tripped,
+            tripped=marks.tripped,
             blocks=self._blocks.sizes() if measuring else None,
             blocks_ms=self._blocks.compute_ms() if measuring else 0.0,
             limits=limits or CopyLimits(),
@@ -299,17 +256,17 @@ class BudgetPlanner:
         if self.core.open is None:
             return
         if self.measuring:
-            self.watermark = None
+            self.marks.watermark = None
             self._blocks.unwatch()
-        obs = Observation(raised=True, out_of_memory=out_of_memory, tripped=self._tripped)
+        obs = Observation(raised=True, out_of_memory=out_of_memory, tripped=self.marks.tripped)
         if out_of_memory:
             obs = Observation(
                 raised=True,
                 out_of_memory=True,
-                tripped=self._tripped,
+                tripped=self.marks.tripped,
                 request=request,
                 peak=self.memory.peak(),
-                reserved=self._counter("reserved"),
+                reserved=counter(self.memory, "reserved"),
                 allocated=self.memory.allocated(),
             )
         self.core.observe(obs)
@@ -319,7 +276,7 @@ class BudgetPlanner:
         """Why a step ran out of memory under this budget, in numbers (the step that raised did not finish)."""
         open_step, blocks = self.core.open, self._blocks
         if open_step is not None and open_step.measure is not None:
-            frugal = open_step.measure.frugal or self._tripped
+            frugal = open_step.measure.frugal or self.marks.tripped
             what = "a measuring step, the most frugal step there is" if frugal else "the first measuring step"
             if blocks.checkpointed:
                 what += f" ({len(blocks.checkpointed)} of {len(blocks)} blocks checkpointed"
@@ -348,12 +305,3 @@ class BudgetPlanner:
             _log.log(notice.level, notice.text)
             if notice.plan and self.on_plan is not None:
                 self.on_plan(notice.text)
-
-    def _expandable(self) -> bool:
-        read = getattr(self.memory, "expandable", None)
-        return bool(read()) if read is not None else False
-
-    def _counter(self, name: str) -> int:
-        """The allocator counter ``name``; 0 where the memory object has none (a test's fake)."""
-        read = getattr(self.memory, name, None)
-        return read() if read is not None else 0

@@ -4,21 +4,22 @@ the transfer through their own ``configure`` calls (:func:`plan_step`). Torch on
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import re
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_offload.budget import KEEP_ALL, BudgetPlanner
-from lightning_offload.device_memory import DeviceMemory
-from lightning_offload.inbound import InboundQueue
-from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions
-from lightning_offload.outbound import OutboundQueue
+from lightning_offload.device_memory import DeviceMemory, SettledCache
+from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions, size_in_bytes
 from lightning_offload.planner.profile import frugal_cap
 from lightning_offload.planner.steps import CopyLimits
-from lightning_offload.stats import OffloadStats
 from lightning_offload.transfer import StreamedTransfer
+
+if TYPE_CHECKING:
+    from lightning_offload.datapath import Datapath
 
 
 def planner_for(
@@ -33,11 +34,20 @@ def planner_for(
     return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
 
 
-def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, stats: OffloadStats) -> None:
-    """End the planner's open step (``stats`` describe it): it learns from its peak and timings, and the next step's
-    device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step`` earlier,
-    where a batch runs without it or validation runs. A step ends once."""
-    assert isinstance(transfer, StreamedTransfer)
+def settling_for(options: OffloadOptions, device: torch.device, memory: Any, budget: int | None) -> SettledCache | None:
+    """Where steps are not planned but copies leave: the allocator's cache, shaped by the first steps, is emptied
+    after them (:class:`SettledCache`), on ``memory``'s counters or CUDA's; ``None`` where there are neither."""
+    if options.mode == "off" or (memory is None and device.type != "cuda"):
+        return None
+    return SettledCache(memory if memory is not None else DeviceMemory(device), budget)
+
+
+def close_step(planner: BudgetPlanner, path: Datapath) -> None:
+    """End the planner's open step (the datapath's ``stats`` describe it): it learns from its peak and timings, and the
+    next step's device time counts from here. :func:`plan_step` calls it as a step begins; the engine's ``end_step``
+    earlier, where a batch runs without it or validation runs. A step ends once."""
+    transfer, outbound, stats = path.transfer, path.outbound, path.stats
+    assert isinstance(transfer, StreamedTransfer) and outbound is not None
     limits = None
     if planner.measuring:
         limits = CopyLimits(
@@ -63,23 +73,17 @@ def close_step(planner: BudgetPlanner, transfer: Any, outbound: OutboundQueue, s
     )
 
 
-def plan_step(
-    planner: BudgetPlanner,
-    transfer: Any,
-    outbound: OutboundQueue | None,
-    inbound: InboundQueue | None,
-    stats: OffloadStats,
-    position: Callable[[], int],
-) -> int | None:
-    """Close the planner's previous step (``stats`` describe it) and configure the copy queues for the next one.
+def plan_step(planner: BudgetPlanner, path: Datapath) -> int | None:
+    """Close the planner's previous step and configure the datapath's copy queues for the next one.
 
     Returns:
         The step's offload limit (0: keep everything, do not install the hooks; ``None``: no limit, a measuring
-        step, which offloads once :meth:`BudgetPlanner.passed_watermark`).
+        step, which offloads once :meth:`StepMarks.passed_watermark`).
     """
+    transfer, outbound, inbound = path.transfer, path.outbound, path.inbound
     assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
-    close_step(planner, transfer, outbound, stats)
-    plan = planner.begin_step(position)
+    close_step(planner, path)
+    plan = planner.begin_step(lambda: path.log.position)
     profile = planner.profile
     apart = plan is not None and profile is not None and profile.two_peaks
     # Plans with the head's backward apart count no copy in flight there: the engine lets go of them as forward
@@ -100,3 +104,33 @@ def plan_step(
     outbound.configure(tail=outbound.default_tail, inflight_cap=plan.inflight_cap)
     inbound.configure(cap=plan.prefetch_cap if plan.prefetch_cap is not None else outbound.prefetch_cap)
     return plan.offload_bytes
+
+
+def check_input_key(key: Hashable) -> None:
+    """Refuse an ``input_changed(key)`` that cannot name an input: one that does not hash, or a tensor (it hashes by
+    identity and compares element by element)."""
+    if isinstance(key, torch.Tensor):
+        raise TypeError(
+            "input_changed(key=<tensor>): expected the input's shapes, e.g. tuple(batch.shape), or another "
+            "hashable value that names the input"
+        )
+    hash(key)
+
+
+def step_failed(planner: BudgetPlanner, exc: BaseException | None) -> str | None:
+    """The planner's open step raised ``exc``: it is dropped, and an out-of-memory error corrects the plan. Returns
+    what to say of an out-of-memory error, in numbers, or ``None``."""
+    out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError)
+    text = planner.out_of_memory() if out_of_memory else None  # said of the step before it is dropped
+    planner.abandon_step(out_of_memory, requested_bytes(exc) if out_of_memory else 0)
+    return text
+
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+ ?[A-Za-z]+)")
+
+
+def requested_bytes(exc: BaseException | None) -> int:
+    """The allocation an out-of-memory error failed on, read from CUDA's message ("1000.00 MiB", read as the byte
+    options' size strings are; 0: not stated)."""
+    found = _REQUEST.search(str(exc)) if exc is not None else None
+    return (size_in_bytes(found.group(1)) or 0) if found else 0

@@ -31,6 +31,7 @@ from lightning_offload.planner.inputs import no_larger
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.planner.trials import trial_plans
 from lightning_offload.stats import OffloadStats
+from lightning_offload.step_marks import StepMarks
 from lightning_offload.streams import SimulatedStreams
 from tests.models import LengthLM, Mix, assert_same_grads, length_tokens, sgd_update_recorded
 
@@ -305,7 +306,7 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
     planner = engine.planner
     assert planner is not None and planner.profile is not None
     assert planner.profile.forward_peak > 0  # forward's peak (the loss's transient included), apart from the step's
-    assert act <= planner.forward_peak <= budget  # the last planned step's, as its backward began
+    assert act <= planner.marks.forward_peak <= budget  # the last planned step's, as its backward began
     for s in steps:
         assert_same_grads(s["grads"], reference_grads(x))
 
@@ -354,7 +355,7 @@ def test_backward_fetches_nothing_ahead_until_it_has_left_the_head() -> None:
         GiB + act * 2, base=GiB, transient=act * 12 // 10, unhooked_resident=act, bytes_per_ms=float(64 * MiB)
     )
     run_steps(engine, model, x, 3)
-    planner, inbound = engine.planner, engine._inbound
+    planner, inbound = engine.planner, engine._path.inbound
     assert planner is not None and planner.profile is not None and inbound is not None
     profile = planner.profile
     assert profile.two_peaks and profile.head_bytes == BATCH * WIDTH * 4  # ``square`` saved the last block's output
@@ -366,12 +367,12 @@ def test_backward_fetches_nothing_ahead_until_it_has_left_the_head() -> None:
 
     def recording_fetch(copy: Any, stats: Any, on_demand: bool) -> torch.Tensor:
         if not on_demand:
-            fetched_at.append(engine._log.backward_pos)
+            fetched_at.append(engine._path.log.backward_pos)
         return fetch(copy, stats, on_demand)
 
     inbound._fetch = recording_fetch  # type: ignore[method-assign]
     step = run_steps(engine, model, x, 1)[0]
-    forward_end = engine._log.position  # positions move in forward only
+    forward_end = engine._path.log.position  # positions move in forward only
     assert step["offloaded"] > 0 and fetched_at
     assert max(fetched_at) < forward_end - profile.head_bytes
     assert_same_grads(step["grads"], reference_grads(x))
@@ -386,7 +387,7 @@ def test_what_backward_starts_from_leaves_out_copies_still_on_their_way_out() ->
         """Sources of copies still on their way out are allocated too."""
 
         def _resident(self) -> int:
-            outbound = self.engine._outbound if self.engine is not None else None
+            outbound = self.engine._path.outbound if self.engine is not None else None
             return super()._resident() + (outbound.inflight_bytes if outbound is not None else 0)
 
     x = torch.randn(BATCH, WIDTH)
@@ -396,13 +397,13 @@ def test_what_backward_starts_from_leaves_out_copies_still_on_their_way_out() ->
     planner = engine.planner
     assert planner is not None
     in_flight: list[int] = []
-    left_head = planner.left_head
+    left_head = planner.marks.left_head
 
     def recording_left_head(nbytes: int = 0) -> None:
         in_flight.append(nbytes)
         left_head(nbytes)
 
-    planner.left_head = recording_left_head  # type: ignore[method-assign]
+    planner.marks.left_head = recording_left_head  # type: ignore[method-assign]
     run_steps(engine, model, x, 1)
     profile = planner.profile
     assert profile is not None and profile.two_peaks
@@ -421,7 +422,7 @@ def test_planned_steps_let_go_of_every_copy_in_flight_as_forward_reaches_the_hea
         GiB + act * 2, base=GiB, transient=act * 12 // 10, unhooked_resident=act, lag=None, bytes_per_ms=float(64 * MiB)
     )
     steps = run_steps(engine, model, x, 1)  # the first measuring step makes the queues
-    outbound = engine._outbound
+    outbound = engine._path.outbound
     assert outbound is not None
     let_go_all = outbound.let_go_all
     at_head: list[tuple[int, int]] = []  # per call: bytes in flight before and after
@@ -704,20 +705,21 @@ def test_a_heavier_step_corrects_plans_that_count_the_heads_backward_apart() -> 
     assert memory.peaks[-1] <= budget
 
 
-def slow_hooks(engine: OffloadEngine, sim: SimulatedStreams, ms: float, hook: str = "_pack") -> None:
-    """Every saved tensor the engine's ``hook`` (``_pack`` in forward, ``_unpack`` in backward) sees costs ``ms`` of
-    simulated time: the host's Python per tensor, which the planner's model does not price."""
-    original = getattr(engine, hook)
+def slow_hooks(engine: OffloadEngine, sim: SimulatedStreams, ms: float, hook: str = "pack") -> None:
+    """Every saved tensor the engine's datapath ``hook`` (``pack`` in forward, ``unpack`` in backward) sees costs ``ms``
+    of simulated time: the host's Python per tensor, which the planner's model does not price."""
+    path = engine._path
+    original = getattr(path, hook)
 
     def slow(value: Any) -> Any:
         sim.advance(ms)
         return original(value)
 
-    setattr(engine, hook, slow)
+    setattr(path, hook, slow)
 
 
 def slow_hooked_engine(
-    x: torch.Tensor, trials: bool, hook: str = "_pack"
+    x: torch.Tensor, trials: bool, hook: str = "pack"
 ) -> tuple[int, Stack, FakeMemory, OffloadEngine]:
     """The budget, model, counters and engine of the trial tests: weights on the device, a budget of six
     times the activations, and ``hook`` costing 1 ms of simulated time per saved tensor (:func:`slow_hooks`)."""
@@ -979,7 +981,7 @@ def test_a_correction_that_leaves_no_timed_plan_fitting_times_the_plans_that_fit
     nothing once plans were timed. (The hooks cost time in backward here: a forward slowed by them would teach the
     model a cost per GiB offloaded that leaves nothing but checkpointing to compare.)"""
     x = torch.randn(BATCH, WIDTH)
-    budget, model, memory, engine = slow_hooked_engine(x, trials=True, hook="_unpack")
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True, hook="unpack")
     run_steps(engine, model, x, 2)
     planner = engine.planner
     assert planner is not None and planner.profile is not None
@@ -1535,10 +1537,10 @@ def test_expandable_segments_says_what_the_process_runs_with(
 def test_the_allocator_is_left_alone_until_copies_leave(monkeypatch: pytest.MonkeyPatch) -> None:
     """Switching the allocator to expandable segments cost a small model 3 ms per 14 ms step on an H200 with nothing
     offloaded: the engine asks for it only once a step is about to offload, and only once."""
-    import lightning_offload.engine as engine_module
+    import lightning_offload.datapath as datapath_module
 
     calls: list[str] = []
-    monkeypatch.setattr(engine_module, "use_expandable_segments", lambda device: calls.append(device.type) or True)
+    monkeypatch.setattr(datapath_module, "use_expandable_segments", lambda device: calls.append(device.type) or True)
     x = torch.randn(BATCH, WIDTH)
     sim, model, _, fits = planned_stack("auto", base=GiB, transient=MiB)
     run_steps(fits, model, x, 4)  # measured below the watermark, then no hooks at all
@@ -1548,7 +1550,7 @@ def test_the_allocator_is_left_alone_until_copies_leave(monkeypatch: pytest.Monk
     # first step begins, before it allocates anything (what it allocated in fixed segments before its first copy
     # fragmented them: on an H200, small-h512's floor budget ran out of memory so).
     emptied: list[int] = []
-    monkeypatch.setattr(BudgetPlanner, "cache_emptied", lambda planner: emptied.append(planner.step))
+    monkeypatch.setattr(StepMarks, "cache_emptied", lambda marks: emptied.append(offloads.planner.step))  # type: ignore[union-attr]
     offloads.install()
     assert calls == ["cpu"]
     assert emptied == [1]  # the first step's peaks count from the switch
@@ -1788,7 +1790,7 @@ def test_the_segments_returned_as_a_step_begins_do_not_count_as_its_reserved_pea
     assert planner.begin_step(lambda: 0) is None  # a measuring step
     memory.cached_peak = int(9.8 * GiB)  # the counters still hold the cached segments' peak
     if emptied:
-        planner.cache_emptied()
+        planner.marks.cache_emptied()
     planner.end_step(OffloadStats(eligible_bytes=GiB, offloaded_bytes=GiB), forward_ms=10.0, link_bytes_per_ms=1e6)
     margin = 10 * GiB - planner.plan_budget
     pressed = int(1.5 * (int(9.8 * GiB) - 2 * GiB) + 0.02 * 10 * GiB)
@@ -2389,7 +2391,7 @@ def test_a_new_input_does_not_time_plans_that_copy_again_once_another_inputs_tri
     small, large = torch.randn(BATCH, WIDTH), torch.randn(BATCH + BATCH // 2, WIDTH)
 
     def plans_run(inputs: list[torch.Tensor]) -> tuple[list[int], BudgetPlanner]:
-        _, model, _, engine = slow_hooked_engine(small, trials=True, hook="_unpack")
+        _, model, _, engine = slow_hooked_engine(small, trials=True, hook="unpack")
         offloaded = []
         for x in inputs:
             step = step_on(engine, model, x)

@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from lightning_offload.engine import _requested_bytes
 from lightning_offload.planner.aims import FIT_ROOM_SHARE
+from lightning_offload.step_driver import requested_bytes
 from tests.test_budget import (
     BATCH,
     WIDTH,
@@ -140,8 +140,8 @@ def test_an_out_of_memory_error_corrects_the_plan_by_the_request_that_failed() -
     ],
 )
 def test_the_request_that_failed_is_read_from_cudas_message(message: str, expected: int) -> None:
-    assert _requested_bytes(torch.cuda.OutOfMemoryError(message)) == expected
-    assert _requested_bytes(None) == 0
+    assert requested_bytes(torch.cuda.OutOfMemoryError(message)) == expected
+    assert requested_bytes(None) == 0
 
 
 def test_twelve_lengths_drawn_at_random_are_measured_once_each_and_not_again() -> None:

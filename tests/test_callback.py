@@ -27,14 +27,13 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_offload.callback as callback_module
+import lightning_offload.datapath as datapath_module
 import lightning_offload.engine as engine_module
 from lightning_offload import ActivationOffloadCallback, OffloadStats, apply_checkpointing, reporting
 from lightning_offload.budget import BudgetPlanner
 from lightning_offload.checkpointing import checkpointed_modules
 from lightning_offload.device_memory import AllocatorCounters
 from lightning_offload.host_pool import pool_for
-from lightning_offload.planner.inputs import no_larger
 from lightning_offload.streams import SimulatedStreams
 from tests import test_budget as budget_tests
 from tests.models import MLP, CheckpointModel, LengthLM, length_tokens
@@ -1288,50 +1287,6 @@ def test_a_new_input_shape_inside_any_batch_collection_is_measured_again(
     assert [row["offload/plan_peak_gib"] != "nan" for row in rows] == [False, False, True, False, True]
 
 
-def test_a_batch_whose_named_tensors_grew_is_never_no_larger_for_listing_them_in_another_order() -> None:
-    """A batch's mapping is read by name: the same tensors listed in another order (a collate that builds each dict in
-    its first sample's order, samples of two sources) name the same input, and one whose long tensor grew is not
-    taken for no larger than a batch that listed it second (it would run that batch's plan unmeasured)."""
-    short, long = torch.zeros(2, 8), torch.zeros(2, 64)
-    assert callback_module._shapes({"ids": short, "labels": long}) == callback_module._shapes(
-        {"labels": long, "ids": short}
-    )
-    first = callback_module._shapes({"prompt": short, "response": long})
-    grown = callback_module._shapes({"response": short, "prompt": torch.zeros(2, 60)})  # the prompt: 8 -> 60
-    assert not no_larger(grown, first)
-
-
-def test_batches_whose_tensors_have_other_names_are_never_no_larger_than_each_other() -> None:
-    """A batch is named by its tensors' names too: in a multi-task or multi-modal run, ``{"text": (8, 16)}`` and
-    ``{"audio": (8, 32)}`` take other paths through the model, so the smaller is not run on the larger's plan unmeasured
-    (by shapes alone, in the same positions, it would be). The same names compare by their shapes, nested names and
-    dataclass fields included."""
-    text, audio = {"text": torch.zeros(8, 16)}, {"audio": torch.zeros(8, 32)}
-    assert not no_larger(callback_module._shapes(text), callback_module._shapes(audio))
-    assert no_larger(callback_module._shapes({"text": torch.zeros(8, 8)}), callback_module._shapes(text))
-    nested_short = {"inputs": {"ids": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}
-    nested_long = {"inputs": {"ids": torch.zeros(2, 16)}, "labels": torch.zeros(2, 16)}
-    assert no_larger(callback_module._shapes(nested_short), callback_module._shapes(nested_long))
-    assert not no_larger(
-        callback_module._shapes({"inputs": {"mask": torch.zeros(2, 8)}, "labels": torch.zeros(2, 8)}),
-        callback_module._shapes(nested_long),
-    )
-    assert no_larger(
-        callback_module._shapes(MappingBatch(x=torch.zeros(2, 8))), callback_module._shapes({"x": torch.zeros(2, 16)})
-    )
-
-    @dataclasses.dataclass
-    class Pair:
-        text: torch.Tensor
-        audio: torch.Tensor
-
-    short, long = Pair(torch.zeros(2, 8), torch.zeros(2, 4)), Pair(torch.zeros(2, 16), torch.zeros(2, 4))
-    assert no_larger(callback_module._shapes(short), callback_module._shapes(long))
-    assert not no_larger(callback_module._shapes(long), callback_module._shapes(short))
-    assert callback_module._shapes(short) == (("text", (2, 8)), ("audio", (2, 4)))  # (fields in their order)
-    assert callback_module._shapes([{"ids": torch.zeros(3)}, torch.zeros(1)]) == (("ids", (3,)), ("", (1,)))
-
-
 def test_input_lengths_that_come_back_run_their_own_plans_without_measuring_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1394,7 +1349,7 @@ class ComparedLit(LitNet):
         assert engine is not None and engine.planner is not None
         profile = engine.planner.profile
         self.profile_peaks.append(profile.peak if profile is not None else None)
-        if self.offload._plain_batch:
+        if self.offload._pictures.plain:
             self.memory.reach(20 << 30)
         return super().training_step(batch, batch_idx)
 
@@ -1497,7 +1452,7 @@ def fit_planned(
     steps = TRIAL_FIT_STEPS if trials else 4
     validation: dict[str, Any] = {"val_check_interval": 1, "limit_val_batches": 1 if validate else 0}
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
+        patch.setattr(datapath_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
         patch.setattr(engine_module, "planner_for", with_memory)
         fit(tmp_path, module, [x] * steps, [callback], val_data=[x], max_steps=steps, **validation)
     assert module.engine is not None and module.engine.planner is not None
@@ -1687,7 +1642,7 @@ def test_lengths_that_change_and_come_back_train_as_without_the_callback_under_p
     module = LengthLit(net, callback, memory)
     steps = len(lengths) // accumulate
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
+        patch.setattr(datapath_module, "SimulatedStreams", lambda: sim)  # the engine's link runs on the model's clock
         patch.setattr(engine_module, "planner_for", with_memory)
         fit(tmp_path / "offload", module, data, [callback], max_steps=steps, accumulate_grad_batches=accumulate)
     plain = LengthLit(LengthLM(dropout=0.1))

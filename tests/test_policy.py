@@ -297,14 +297,14 @@ def test_engine_follows_a_storage_swapped_under_a_parameter() -> None:
     engine = make_engine(model=model)
     with engine:
         pass
-    assert model.weight.untyped_storage()._cdata in engine._params
+    assert model.weight.untyped_storage()._cdata in engine._path.params
     old = model.weight.detach()
     with torch.no_grad():
         model.weight.data = torch.zeros(64, 64)
     with engine:
         pass
-    assert model.weight.untyped_storage()._cdata in engine._params
-    assert old.untyped_storage()._cdata not in engine._params
+    assert model.weight.untyped_storage()._cdata in engine._path.params
+    assert old.untyped_storage()._cdata not in engine._path.params
 
 
 def test_parameters_can_still_be_swapped_after_an_engine_step() -> None:

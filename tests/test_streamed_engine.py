@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_offload import OffloadOptions
-from lightning_offload import engine as engine_module
+from lightning_offload import datapath as datapath_module
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.streams import SimulatedStreams
 from lightning_offload.transfer import producer_stream
@@ -155,9 +155,9 @@ def test_a_tensor_every_block_saves_comes_back_first_and_backward_walks_from_the
         with engine:
             loss = model(x)
         if step:
-            top = engine._log.position
+            top = engine._path.log.position
             # After the top block's backward: where backward stands.
-            model.layers[-1].weight.register_hook(lambda g: positions.append(engine._log.backward_pos) or g)
+            model.layers[-1].weight.register_hook(lambda g: positions.append(engine._path.log.backward_pos) or g)
         loss.backward()
         assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
     stats = engine.stats
@@ -226,7 +226,7 @@ def test_a_forward_that_never_runs_backward_leaves_nothing_queued_for_later_step
             loss = model(x)
         loss.backward()
         del logged
-        lengths.append(len(engine._inbound.queue))  # type: ignore[union-attr]
+        lengths.append(len(engine._path.inbound.queue))  # type: ignore[union-attr]
     copies = engine.stats.offloaded_tensors or 1
     assert max(lengths) <= copies and lengths[-1] == lengths[1], lengths
 
@@ -250,10 +250,12 @@ def test_copies_past_the_limit_stay_at_once_and_the_tail_still_sends_the_earlier
         assert engine.stats.offloaded_bytes == 3 * act
         assert engine.stats.resident_bytes == engine.stats.eligible_bytes - 3 * act > 0
     asked = []
-    monkeypatch.setattr(engine_module, "producer_stream", lambda transfer: asked.append(1) or producer_stream(transfer))
+    monkeypatch.setattr(
+        datapath_module, "producer_stream", lambda transfer: asked.append(1) or producer_stream(transfer)
+    )
     with engine:
         loss = model(x)
-    copies = list(engine._log.step_copies())
+    copies = list(engine._path.log.step_copies())
     assert [c.state.name for c in copies] == ["OFFLOADED"] * 3 + ["RESIDENT"] * (len(copies) - 3)
     assert len(asked) == 3  # only the copies within the limit asked which stream made them
     loss.backward()
@@ -269,13 +271,13 @@ def test_sources_of_finished_copies_are_let_go_during_forward_past_the_limit() -
     sim = SimulatedStreams(lag=0)  # copies run as they are queued: done by the next save
     engine = streamed_engine(sim, max_offload_bytes=2 * act, max_inflight_bytes=1 << 30)
     expected = train_step(model, x)
-    outbound = engine._outbound
+    outbound = engine._path.outbound
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         with engine:
             loss = model(x)
             assert engine.stats.offloaded_bytes == 2 * act
-            outbound = engine._outbound
+            outbound = engine._path.outbound
             assert outbound is not None and outbound.inflight_bytes == 0 and not outbound.inflight
         loss.backward()
         assert_same_grads({n: p.grad for n, p in model.named_parameters()}, expected)

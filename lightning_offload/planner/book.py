@@ -4,11 +4,16 @@ everything borrows that plan, unmeasured, unless a lent plan misled it before.""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+from lightning_offload.planner import words
 from lightning_offload.planner.inputs import InputRecord, no_larger, size
+from lightning_offload.planner.measure import Machine
+from lightning_offload.planner.steps import Notice
+from lightning_offload.planner.trials import PlanTrials
 
 REMEMBERED_INPUTS = 32  # inputs whose records are kept while others run (the least recently run forgotten first)
 _MISLED_INPUTS = 4096  # inputs a lent plan misled: they are never lent one again
@@ -45,6 +50,33 @@ class InputBook:
         self._kept[key] = rec
         while len(self._kept) > REMEMBERED_INPUTS:
             self._kept.popitem(last=False)
+
+    def switch(
+        self, key: Hashable, left: InputRecord, machine: Machine, notices: list[Notice]
+    ) -> tuple[InputRecord, bool]:
+        """The input ``key`` follows the current one, whose record ``left`` is kept: ``key``'s record, kept or lent (a
+        larger input's, said in ``notices``) or new (it measures), and whether what the ``machine`` learnt on other
+        inputs changed its profile (it chooses its plan again)."""
+        # Taken out before the input left is kept: kept first, the book could run one over and forget the one coming
+        # back.
+        kept = self.take(key)
+        self.leave(left)
+        self.key = key
+        if kept is None or (kept.plan is None and not kept.frugal_next):
+            lent = self.lend(key)
+            if lent is not None:
+                notices.append(Notice(logging.DEBUG, words.lent_plan(key, lent[0])))
+                kept = lent[1]
+        if kept is None or kept.profile is None:
+            frugal = kept.frugal_next if kept is not None else left.frugal_next
+            trials = PlanTrials(left.trials.enabled)
+            return InputRecord(
+                trials, measure_left=max(1, left.measure_left), frugal_next=frugal, base=left.base
+            ), False
+        profile = kept.profile
+        kept.profile = machine.taught(profile)
+        kept.plan_since = None  # the steps since it last ran ran other plans
+        return kept, kept.profile != profile
 
     def take(self, key: Hashable) -> InputRecord | None:
         """The kept record of ``key``, taken out (``None``: none kept)."""

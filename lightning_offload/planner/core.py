@@ -19,26 +19,31 @@ from collections.abc import Hashable
 from typing import Any
 
 from lightning_offload.planner import words
-from lightning_offload.planner.aims import REPLAN_SHARE, cache_worth_emptying, fit_margin, keeping_aim, plan_aim
+from lightning_offload.planner.aims import cache_worth_emptying, fit_margin, keeping_aim, plan_aim
 from lightning_offload.planner.book import NO_INPUT, InputBook
 from lightning_offload.planner.candidates import offered_plans
 from lightning_offload.planner.corrections import (
     after_out_of_memory,
+    grown_base,
     heavier_than_planned,
     small_miss,
     with_faster_compute,
 )
 from lightning_offload.planner.inputs import InputRecord
-from lightning_offload.planner.learning import learn_from_copy_waits, learn_from_slow_forward
+from lightning_offload.planner.learning import (
+    RecentSteps,
+    learn_from_copy_waits,
+    learn_from_slow_forward,
+    record_that_ran,
+)
 from lightning_offload.planner.measure import Machine
 from lightning_offload.planner.measuring import MEASURED_STEPS, measured, next_measure
-from lightning_offload.planner.profile import Plan, StepProfile
+from lightning_offload.planner.profile import Plan
 from lightning_offload.planner.steps import Directive, Notice, Observation, Phase, StepRecord, StepStart
 from lightning_offload.planner.trace import Trace
 from lightning_offload.planner.trials import PlanTrials, choose_plan, timing_key
 
 _RECORDED_STEPS = 512
-_PINNING_STEPS_KEPT = 32
 
 
 class Planner:
@@ -66,17 +71,13 @@ class Planner:
         self.notices: list[Notice] = []
         self._release_cache = False  # empty the allocator's cache before the next step
         self._start = StepStart(0)
-        self._pinning_steps: set[int] = set()
+        self._pinning_steps = RecentSteps()  # steps that pinned host buffers: their timings say nothing of copies
 
     # ------------------------------------------------------------------------------------------------ what it holds
 
-    @property
-    def plan(self) -> Plan | None:
-        return self.rec.plan
-
-    @property
-    def profile(self) -> StepProfile | None:
-        return self.rec.profile
+    plan = property(lambda self: self.rec.plan)  # the current input's plan (``None`` while it measures)
+    profile = property(lambda self: self.rec.profile)  # the current input's measured step, as corrected
+    empties_cache = property(lambda self: self._release_cache)  # before the next step (its directive says so too)
 
     @property
     def fit_margin(self) -> int:
@@ -98,11 +99,6 @@ class Planner:
         assert self.rec.profile is not None
         return offered_plans(self.rec.profile, self.plan_budget, self.keeping_budget)
 
-    @property
-    def empties_cache(self) -> bool:
-        """Whether the allocator's cache is to be emptied before the next step begins (its directive says so too)."""
-        return self._release_cache
-
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []
         return notices
@@ -114,11 +110,6 @@ class Planner:
 
     def begin(self, start: StepStart) -> Directive:
         """A step begins with ``start.allocated`` bytes allocated: what it runs."""
-        directive = self._begin(start)
-        self.trace.begin(start, directive)
-        return directive
-
-    def _begin(self, start: StepStart) -> Directive:
         self.step += 1
         self._start, self.expandable = start, start.expandable
         empty, self._release_cache = self._release_cache, False
@@ -127,11 +118,12 @@ class Planner:
             self._follow_base(start.allocated)
             rec.ran(self.step)
             self.open = Directive(rec.phase, rec.plan, empty_cache=empty)
-            return self.open
-        measure, warnings = next_measure(rec, self.budget, self.plan_budget, start.allocated)
-        for text in warnings:
-            self._say(logging.WARNING, text)
-        self.open = Directive(Phase.MEASURING, measure=measure, empty_cache=empty)
+        else:
+            measure, warnings = next_measure(rec, self.budget, self.plan_budget, start.allocated)
+            for text in warnings:
+                self._say(logging.WARNING, text)
+            self.open = Directive(Phase.MEASURING, measure=measure, empty_cache=empty)
+        self.trace.begin(start, self.open)
         return self.open
 
     def observe(self, obs: Observation) -> None:
@@ -145,9 +137,7 @@ class Planner:
             return
         if obs.pinned:
             self._pinning_steps.add(self.step)
-            if len(self._pinning_steps) > 2 * _PINNING_STEPS_KEPT:
-                self._pinning_steps = set(sorted(self._pinning_steps)[-_PINNING_STEPS_KEPT:])
-        self._record(d, obs)
+        self.records.append(StepRecord.of(self.step, self.input_key, d, self._start.allocated, obs, self.budget))
         if d.phase is Phase.MEASURING:
             self._measured(d, obs)
         elif self.rec.plan is not None and self.rec.profile is not None:
@@ -181,9 +171,7 @@ class Planner:
                 self._choose(memory=True)
         heavier = heavier_than_planned(plan, obs, self.budget)
         if heavier > 0 and rec.lent:
-            self._say(logging.INFO, words.lent_plan_misled(self.input_key, heavier))
-            self._misled_by_lent_plan(frugal=False)
-            return
+            return self._misled_by_lent_plan(heavier)
         if heavier > 0:
             rec.profile = dataclasses.replace(rec.profile, correction=rec.profile.correction + heavier)
             self._choose(memory=True)
@@ -206,57 +194,34 @@ class Planner:
         if not obs.out_of_memory or rec.plan is None or rec.profile is None:
             return
         if rec.lent:
-            self._say(logging.INFO, words.lent_plan_misled(self.input_key, None))
-            self._misled_by_lent_plan(frugal=True)
-            return
+            return self._misled_by_lent_plan(None)
         rec.profile = after_out_of_memory(rec.profile, rec.plan, obs, self.budget, self.fit_margin)
         self._choose(memory=True)
 
     def _follow_base(self, allocated: int) -> None:
-        """A planned step that begins with more allocated than the measured one (gradients accumulated, the optimizer's
-        state, the last step's gradients kept through forward) holds that much more in every phase: plan again first."""
+        """A planned step that begins above the measured base (:func:`~.corrections.grown_base`) plans again first."""
         p = self.rec.profile
         assert p is not None
-        grown = allocated - p.base
-        if grown <= self.budget * REPLAN_SHARE / 2:
-            return
-        self._say(logging.INFO, words.base_grew(self.budget, grown))
-        self.rec.profile = dataclasses.replace(p, base=allocated, correction=p.correction + grown)
-        self._choose(memory=True)
+        if grown := grown_base(p, allocated, self.budget):
+            self._say(logging.INFO, words.base_grew(self.budget, grown))
+            self.rec.profile = dataclasses.replace(p, base=allocated, correction=p.correction + grown)
+            self._choose(memory=True)
 
     def _late(self, learn: Any, step: int, ms: float) -> None:
         """An earlier step's timing, read now: it teaches the record that ran it (the current input's or a kept one's)
         and the machine; the current input plans again where its profile changed."""
-        rec = self._record_of(step)
-        if rec is None:
-            return
-        machine = learn(rec, self.machine, step, ms, self.notices)
+        rec = None if step in self._pinning_steps else record_that_ran(step, self.rec, self.book)
+        machine = learn(rec, self.machine, step, ms, self.notices) if rec is not None else self.machine
         if machine == self.machine:
             return
-        self.machine = machine
-        p = self.rec.profile
-        if p is None:
-            return
-        updated = machine.taught(p)
-        if updated != p:
-            self.rec.profile = updated
+        self.machine, p = machine, self.rec.profile
+        if p is not None and machine.taught(p) != p:
+            self.rec.profile = machine.taught(p)
             self._choose()
-
-    def _record_of(self, step: int) -> InputRecord | None:
-        """The record whose plan step ``step`` ran, where that plan offloads (``None``: its timing says nothing of the
-        copies: it pinned host buffers, or ran no copies)."""
-        if step in self._pinning_steps:
-            return None
-        rec = self.rec
-        if rec.plan is not None and rec.profile is not None and rec.plan_since is not None and step >= rec.plan_since:
-            return rec if rec.plan.offload_bytes > 0 else None
-        return self.book.ran(step)
 
     # ------------------------------------------------------------------------------------------------ inputs
 
-    @property
-    def input_key(self) -> Hashable:
-        return None if self.book.key is NO_INPUT else self.book.key
+    input_key = property(lambda self: None if self.book.key is NO_INPUT else self.book.key)  # the current input's
 
     def runs_input(self, key: Hashable) -> bool:
         return self.book.runs(key)
@@ -272,33 +237,10 @@ class Planner:
             self.book.key = key
             return True  # the first steps measure anyway (unless a restored plan is this input's)
         self.abandon()
-        # Taken out before the input left is kept: kept first, the book could run one over and forget the one coming
-        # back.
-        kept, rec = self.book.take(key), self.rec
-        self.book.leave(rec)
-        self.book.key = key
-        if kept is None or (kept.plan is None and not kept.frugal_next):
-            lent = self.book.lend(key)
-            if lent is not None:
-                self._say(logging.DEBUG, words.lent_plan(key, lent[0]))
-                kept = lent[1]
-        if kept is None or kept.profile is None:
-            frugal = kept.frugal_next if kept is not None else rec.frugal_next
-            self.rec = InputRecord(
-                PlanTrials(self.trials_enabled),
-                measure_left=max(1, rec.measure_left),
-                frugal_next=frugal,
-                base=rec.base,
-            )
+        self.rec, relearnt = self.book.switch(key, self.rec, self.machine, self.notices)
+        if self.rec.measure_left > 0:
             return True
-        # What planned steps of other inputs taught about the machine counts here too.
-        profile = kept.profile
-        kept.profile = self.machine.taught(profile)
-        kept.plan_since = None  # the steps since it last ran ran other plans
-        self.rec = kept
-        if kept.measure_left > 0:
-            return True
-        if kept.profile != profile:
+        if relearnt:
             self._choose()
         return False
 
@@ -311,9 +253,12 @@ class Planner:
         self.copies_lost = False
         self.rec.forget(measuring_steps)
 
-    def _misled_by_lent_plan(self, frugal: bool) -> None:
+    def _misled_by_lent_plan(self, heavier: int | None) -> None:
+        """A lent plan misled this input (its step peaked ``heavier`` bytes past it; ``None``: ran out of memory): it
+        measures, frugally after an out-of-memory error, and is never lent a plan again."""
+        self._say(logging.INFO, words.lent_plan_misled(self.input_key, heavier))
         self.rec.forget(1)
-        self.rec.frugal_next = self.rec.frugal_next or frugal
+        self.rec.frugal_next = self.rec.frugal_next or heavier is None
         self.book.misled(self.book.key)
 
     # ------------------------------------------------------------------------------------------------ choosing
@@ -337,16 +282,9 @@ class Planner:
         # the cache the steps before it left is worth emptying.
         if rec.trials.done and (trial or (previous is not None and timing_key(plan) != timing_key(previous))):
             rec.settling = True
-        if changed or trial:
-            self._tell(plan, trial)
-
-    def _tell(self, plan: Plan, trial: str) -> None:
-        """Say the plan chosen: a warning where it does not fit (under a hard cap the next step runs out of memory)."""
-        p = self.rec.profile
-        assert p is not None
-        transients = p.peak + p.correction - p.resident - self.rec.base
-        text = words.plan_chosen(self.budget, trial, plan, self.fit_margin, self.rec.base, transients)
-        self._say(logging.INFO if plan.fits else logging.WARNING, text, plan=True)
+        if changed or trial:  # a warning where it does not fit: under a hard cap the next step runs out of memory
+            text = words.plan_chosen(self.budget, trial, plan, self.fit_margin, rec.base, rec.profile)
+            self._say(logging.INFO if plan.fits else logging.WARNING, text, plan=True)
 
     def cache_worth_emptying(self, peak: int, reserved: int) -> bool:
         """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding
@@ -357,21 +295,3 @@ class Planner:
             return False
         self._say(logging.DEBUG, words.emptying_cache(self.budget, reserved, peak))
         return True
-
-    def _record(self, d: Directive, obs: Observation) -> None:
-        plan = d.plan
-        self.records.append(
-            StepRecord(
-                step=self.step,
-                input=repr(self.input_key),
-                kind="measuring" if d.phase is Phase.MEASURING else "trial" if d.phase is Phase.TRYING else "planned",
-                base=self._start.allocated,
-                forward=obs.forward_peak,
-                head=obs.head_peak,
-                backward=obs.backward_peak,
-                peak=obs.peak,
-                predicted=plan.peak if plan is not None else 0,
-                predicted_phases=plan.phases if plan is not None else (),
-                budget=self.budget,
-            )
-        )

@@ -59,3 +59,11 @@ def with_faster_compute(profile: StepProfile, plan: Plan, obs: Observation) -> S
     if 0 < obs.backward_ms < FASTER_SHARE * profile.backward_ms and not recomputes:
         profile = dataclasses.replace(profile, backward_ms=obs.backward_ms)
     return profile
+
+
+def grown_base(profile: StepProfile, allocated: int, budget: int) -> int:
+    """How many bytes more than the measured step a planned step begins with (gradients accumulated, the optimizer's
+    state, the last step's gradients kept through forward), where that is worth planning again (0: not): the step
+    holds that much more in every phase."""
+    grown = allocated - profile.base
+    return grown if grown > budget * REPLAN_SHARE / 2 else 0

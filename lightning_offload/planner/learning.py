@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 
+from lightning_offload.planner.book import InputBook
 from lightning_offload.planner.inputs import InputRecord
 from lightning_offload.planner.measure import Machine
 from lightning_offload.planner.offload_model import fit_link_share, offload_cost_ms
@@ -19,6 +20,30 @@ from lightning_offload.units import GiB
 # share memory bandwidth, and single steps vary.
 NOISE_MS = 10.0
 NOISE_SHARE = 0.05
+_STEPS_KEPT = 32  # recent steps that pinned host buffers, kept to tell the timings read late apart
+
+
+class RecentSteps:
+    """Recent step numbers (the latest ``_STEPS_KEPT`` at least): a set that forgets the oldest."""
+
+    def __init__(self) -> None:
+        self._steps: set[int] = set()
+
+    def add(self, step: int) -> None:
+        self._steps.add(step)
+        if len(self._steps) > 2 * _STEPS_KEPT:
+            self._steps = set(sorted(self._steps)[-_STEPS_KEPT:])
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._steps
+
+
+def record_that_ran(step: int, rec: InputRecord, book: InputBook) -> InputRecord | None:
+    """The record whose plan step ``step`` ran, where that plan offloads: the current input's ``rec`` or one the
+    ``book`` keeps (``None``: that plan ran no copies, so its timing says nothing of them)."""
+    if rec.plan is not None and rec.profile is not None and rec.plan_since is not None and step >= rec.plan_since:
+        return rec if rec.plan.offload_bytes > 0 else None
+    return book.ran(step)
 
 
 def learn_from_slow_forward(rec: InputRecord, machine: Machine, step: int, ms: float, notices: list[Notice]) -> Machine:

@@ -175,6 +175,24 @@ class StepRecord:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def of(cls, step: int, key: Any, ran: Directive, base: int, obs: Observation, budget: int) -> StepRecord:
+        """Step ``step`` of input ``key``, which ``ran`` its directive from ``base`` bytes allocated, as ``obs`` saw."""
+        plan = ran.plan
+        return cls(
+            step=step,
+            input=repr(key),
+            kind="measuring" if ran.phase is Phase.MEASURING else "trial" if ran.phase is Phase.TRYING else "planned",
+            base=base,
+            forward=obs.forward_peak,
+            head=obs.head_peak,
+            backward=obs.backward_peak,
+            peak=obs.peak,
+            predicted=plan.peak if plan is not None else 0,
+            predicted_phases=plan.phases if plan is not None else (),
+            budget=budget,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Notice:

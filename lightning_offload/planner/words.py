@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from lightning_offload.planner.profile import Plan
+from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
 
 
@@ -36,11 +36,13 @@ def lent_plan(key: Hashable, lender: Hashable) -> str:
     return f"memory_budget: input {key} runs the plan of input {lender}, which keeps everything"
 
 
-def plan_chosen(budget: int, trial: str, plan: Plan, margin: int, base: int, transients: int) -> str:
-    """The plan chosen (``trial``: what its trials say, or nothing); where it does not fit, why the step may fail."""
+def plan_chosen(budget: int, trial: str, plan: Plan, margin: int, base: int, profile: StepProfile) -> str:
+    """The plan chosen (``trial``: what its trials say, or nothing); where it does not fit, why the step may fail:
+    ``base`` bytes of weights, gradients and optimizer state, and the ``profile``'s other transients."""
     text = f"memory_budget={_gib(budget)}: {trial}{plan.describe(budget)}"
     if plan.fits:
         return text
+    transients = profile.peak + profile.correction - profile.resident - base
     return text + (
         f", within the fit margin of {_gib(margin)} below it (what this model's predictions and the allocator's "
         "fragments may miss by): the step may run out of memory under a hard limit. Even the most frugal plan needs "

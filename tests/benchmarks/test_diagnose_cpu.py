@@ -82,9 +82,9 @@ def test_interleaved_runs_every_kind_of_arm_on_its_own_model_in_turn(tmp_path: P
     assert all(result["arms"][name]["engine_host_us"] is None for name in ("none", "ac", "ckpt"))
     for name in ("ckpt+offload-0mib", "ckpt+offload-0.01mib"):
         host = result["arms"][name]["engine_host_us"]
-        assert set(host) == {"install", "_pack", "_unpack", "total"}
-        assert all(host[entry] > 0 for entry in ("install", "_pack", "_unpack"))
-        assert host["total"] >= max(host["install"], host["_pack"], host["_unpack"])
+        assert set(host) == {"install", "pack", "unpack", "total"}
+        assert all(host[entry] > 0 for entry in ("install", "pack", "unpack"))
+        assert host["total"] >= max(host["install"], host["pack"], host["unpack"])
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,8 @@ def test_phase_peaks_split_a_step_at_backward_start_first_rebuilt_block_and_back
     # The engine's checkpointing replaces the block's forward: the rebuild in backward runs the original one, which
     # skips the block's own hooks (an H200 run never saw a block-level phase), but calls its parts.
     apply_checkpointing(model, ["1"])
-    planner = SimpleNamespace(memory=counter, backward_started=lambda: None, backward_finished=lambda: None)
+    marks = SimpleNamespace(memory=counter, backward_started=lambda: None, backward_finished=lambda: None)
+    planner = SimpleNamespace(memory=counter, marks=marks)
     phases = diagnose._split_phases(planner, blocks)
     # Registered after the phases' own hooks: the rebuilt block's 9 GiB count in the phase it starts.
     blocks[1][0].register_forward_pre_hook(lambda module, args: counter.use(9 if backward_running() else 4))
@@ -133,11 +134,11 @@ def test_phase_peaks_split_a_step_at_backward_start_first_rebuilt_block_and_back
     planner.memory.reset_peak()
     out = model(torch.randn(2, 4, requires_grad=True))
     counter.use(5)  # the rest of forward, the loss's forward included
-    planner.backward_started()  # what the engine calls at backward's first unpack
+    planner.marks.backward_started()  # what the datapath calls at backward's first unpack
     counter.use(7)  # the loss's backward
     assert planner.memory.peak() == 7 << 30
     out.sum().backward()  # the checkpointed block runs again: backward's own phase begins
-    planner.backward_finished()
+    planner.marks.backward_finished()
     counter.use(3)  # the optimizer step
     assert planner.memory.peak() == 9 << 30  # the whole step's, as the planner reads it
     assert phases.close() == {"forward": 5.0, "loss_backward": 7.0, "backward": 9.0, "optimizer": 3.0}

@@ -1,0 +1,125 @@
+"""The offloading engine as a Lightning fit drives it: built in ``setup`` for the module's device, told when its
+hooks may leave, installed at each training batch with the planner's notices said at rank zero, and left as an epoch
+ends or the fit fails."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_offload.engine import OffloadEngine
+from lightning_offload.options import OffloadOptions, no_cuda_message
+from lightning_offload.planned_blocks import compiled_modules
+from lightning_offload.reporting import StepReporter
+
+
+def engine_for_fit(
+    options: OffloadOptions, pl_module: pl.LightningModule, num_devices: int, by_hand: bool
+) -> tuple[OffloadEngine, torch.device] | None:
+    """The engine a fit offloads with, and the device it computes on.
+
+    Args:
+        options: the callback's options.
+        pl_module: the module being fit; its device is the compute device where ``options`` name none.
+        num_devices: the trainer's devices: one process per device on this machine.
+        by_hand: whether the blocks are checkpointed by hand (the callback's ``checkpoint``): then nothing is planned.
+
+    Returns:
+        The engine and its compute device, or ``None`` (said in a warning) where ``options`` name no device and the
+        module is off CUDA: the callback then offloads nothing at all.
+    """
+    device = options.compute_device
+    if device is None:
+        device = pl_module.device
+        if device.type != "cuda":
+            # (stacklevel 5: the warning points where the callback's ``setup`` was called, past this function)
+            rank_zero_warn(no_cuda_message("ActivationOffloadCallback", f"module on {device.type}"), stacklevel=5)
+            return None
+        options = dataclasses.replace(options, compute_device=device)
+    if by_hand:
+        options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
+    # One process per device on this machine (ddp, ddp_spawn, fsdp): Lightning's launchers do not set
+    # LOCAL_WORLD_SIZE, so the count comes from the trainer.
+    return OffloadEngine(options, model=pl_module, local_processes=max(1, num_devices)), device
+
+
+def leaves_after_backward(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the engine's hooks may leave after backward rather than as the batch ends.
+
+    A batch that runs forward again after a backward (LBFGS calls its closure repeatedly; manual optimization may call
+    backward several times) keeps the hooks until the batch ends.
+
+    Args:
+        trainer: the trainer, its optimizers set up.
+        pl_module: the module being fit.
+
+    Returns:
+        ``False`` under manual optimization or with an LBFGS optimizer.
+    """
+    return pl_module.automatic_optimization and not any(
+        isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
+    )
+
+
+def announce_planning(engine: OffloadEngine | None, pl_module: pl.LightningModule, budget: object) -> None:
+    """Say (at INFO, on rank zero) that the first batch is measured to plan, where the engine plans on CUDA.
+
+    Args:
+        engine: the fit's engine (``None``: nothing offloads).
+        pl_module: the module being fit (a compiled one is not planned: the engine says so).
+        budget: the ``memory_budget`` the callback was given, for the message.
+    """
+    planned = engine is not None and engine.options.plans and not compiled_modules(pl_module)
+    if planned and pl_module.device.type == "cuda":  # (a compiled module is not planned: the engine says so)
+        rank_zero_info(f"ActivationOffloadCallback: memory_budget={budget!r}; measuring the first batch to plan")
+
+
+def install_for_batch(engine: OffloadEngine, reporter: StepReporter, trainer: pl.Trainer) -> None:
+    """Start the engine's step for a training batch: install its hooks, and have its planner (made at the first
+    install) say its plans at rank zero and leave the peak counters to the reporter.
+
+    Args:
+        engine: the fit's engine, not installed.
+        reporter: the callback's reporter.
+        trainer: the trainer running the batch.
+    """
+    reporter.before_install(trainer, engine)
+    engine.install()
+    planner = engine.planner
+    if planner is not None and planner.on_plan is None:
+        planner.owns_peaks = False  # the reporter resets the peak counters as each batch begins
+        planner.on_plan = lambda text: rank_zero_info(f"ActivationOffloadCallback: {text}")
+
+
+def end_epoch(engine: OffloadEngine, ran_nothing: bool) -> None:
+    """Remove the engine's hooks as an epoch ends, and drop the step open if its batch ran nothing.
+
+    Args:
+        engine: the fit's engine.
+        ran_nothing: whether a batch's step began but the batch never ran (nor ran plain, for the memory picture).
+    """
+    engine.uninstall()
+    if ran_nothing:
+        # The module's on_train_batch_start returned -1 after this batch's step began: it ran nothing. Dropped,
+        # so the memory-budget planner neither measures it (a plan from a step without activations) nor times
+        # it (its time would be the epoch's end).
+        engine.reset()
+
+
+def end_on_exception(engine: OffloadEngine, exception: BaseException, in_batch: bool) -> None:
+    """Leave the engine as the fit fails.
+
+    Args:
+        engine: the fit's engine.
+        exception: what the fit raised.
+        in_batch: whether it was raised inside a training batch (its step begun).
+    """
+    if in_batch:
+        engine.failed(exception)  # before the model is left: its message names the blocks checkpointed
+    else:
+        # Raised outside a training batch (validation, saving a checkpoint): not the planned step's doing, so
+        # nothing explains it in that step's numbers; what the engine holds is dropped all the same.
+        engine.reset()

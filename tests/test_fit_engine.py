@@ -1,0 +1,122 @@
+"""The engine as a Lightning fit drives it (``fit_engine``): built for the module's device (none off CUDA, said once),
+its hooks kept to the batch's end where forward may run again, installed with the planner's notices routed, and left
+as an epoch ends or the fit fails."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_offload.fit_engine import (
+    announce_planning,
+    end_epoch,
+    end_on_exception,
+    engine_for_fit,
+    install_for_batch,
+    leaves_after_backward,
+)
+from lightning_offload.options import OffloadOptions
+
+
+class Module(nn.Module):
+    """A stand-in for a LightningModule: its device and optimization kind."""
+
+    def __init__(self, automatic_optimization: bool = True) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+        self.automatic_optimization = automatic_optimization
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.weight.device
+
+
+class Calls:
+    """Records the calls made on it, in order; each named method returns ``None``."""
+
+    def __init__(self, *names: str) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        for name in names:
+            setattr(self, name, lambda *args, name=name: self.calls.append((name, args)))
+
+
+def test_a_module_off_cuda_without_a_compute_device_gets_no_engine_and_a_warning_at_the_callers_line() -> None:
+    options = OffloadOptions.create("test")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine_for_fit(options, Module(), 1, by_hand=False) is None  # type: ignore[arg-type]
+    assert len(caught) == 1
+    assert "ActivationOffloadCallback: no CUDA device (module on cpu); offloading nothing" in str(caught[0].message)
+    assert caught[0].filename == __file__  # (in a fit: the callback's ``setup``)
+
+
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_the_engine_runs_on_the_options_device_one_process_per_device_without_a_budget_where_checkpointed_by_hand(
+    by_hand: bool,
+) -> None:
+    options = OffloadOptions.create("test", compute_device="cpu", memory_budget="8GiB")
+    built = engine_for_fit(options, Module(), 0, by_hand=by_hand)  # type: ignore[arg-type]
+    assert built is not None
+    engine, device = built
+    assert device == torch.device("cpu") and engine.options.compute_device == device
+    assert engine.local_processes == 1  # (at least one)
+    assert engine.options.memory_budget == (None if by_hand else 8 << 30)
+    assert options.memory_budget == 8 << 30  # the callback's own options are left as they are
+
+
+def test_hooks_stay_to_the_batchs_end_under_manual_optimization_or_lbfgs() -> None:
+    params = [nn.Parameter(torch.zeros(1))]
+    sgd, lbfgs = torch.optim.SGD(params, lr=0.1), torch.optim.LBFGS(params)
+    assert leaves_after_backward(SimpleNamespace(optimizers=[sgd]), Module())  # type: ignore[arg-type]
+    assert not leaves_after_backward(SimpleNamespace(optimizers=[sgd, lbfgs]), Module())  # type: ignore[arg-type]
+    assert not leaves_after_backward(SimpleNamespace(optimizers=[sgd]), Module(False))  # type: ignore[arg-type]
+
+
+class CudaModule(Module):
+    """A module that says it is on CUDA (nothing runs on it)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def test_planning_is_announced_only_where_an_engine_plans_on_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    planning, fixed = (SimpleNamespace(options=SimpleNamespace(plans=plans)) for plans in (True, False))
+    with caplog.at_level("INFO"):
+        for engine, module in [(None, CudaModule()), (fixed, CudaModule()), (planning, Module())]:
+            announce_planning(engine, module, "8GiB")  # type: ignore[arg-type]
+        assert "measuring the first batch" not in caplog.text
+        announce_planning(planning, CudaModule(), "8GiB")  # type: ignore[arg-type]
+    assert "ActivationOffloadCallback: memory_budget='8GiB'; measuring the first batch to plan" in caplog.text
+
+
+def test_installing_routes_the_planners_notices_once_and_leaves_peaks_to_the_reporter() -> None:
+    engine, reporter = Calls("install"), Calls("before_install")
+    engine.planner = SimpleNamespace(on_plan=None, owns_peaks=True)  # type: ignore[attr-defined]
+    trainer = object()
+    install_for_batch(engine, reporter, trainer)  # type: ignore[arg-type]
+    assert reporter.calls == [("before_install", (trainer, engine))] and engine.calls == [("install", ())]
+    assert engine.planner.owns_peaks is False and callable(engine.planner.on_plan)  # type: ignore[attr-defined]
+    own = engine.planner.on_plan = lambda text: None  # type: ignore[attr-defined]
+    engine.planner.owns_peaks = True  # type: ignore[attr-defined]
+    install_for_batch(engine, reporter, trainer)  # type: ignore[arg-type]
+    assert engine.planner.on_plan is own and engine.planner.owns_peaks is True  # type: ignore[attr-defined]
+
+
+def test_an_epoch_end_drops_only_a_step_that_ran_nothing() -> None:
+    ran, empty = Calls("uninstall", "reset"), Calls("uninstall", "reset")
+    end_epoch(ran, ran_nothing=False)  # type: ignore[arg-type]
+    end_epoch(empty, ran_nothing=True)  # type: ignore[arg-type]
+    assert ran.calls == [("uninstall", ())] and empty.calls == [("uninstall", ()), ("reset", ())]
+
+
+def test_a_failure_inside_a_batch_is_the_engines_to_explain_and_one_outside_is_only_dropped() -> None:
+    inside, outside, error = Calls("failed", "reset"), Calls("failed", "reset"), RuntimeError("out of memory")
+    end_on_exception(inside, error, in_batch=True)  # type: ignore[arg-type]
+    end_on_exception(outside, error, in_batch=False)  # type: ignore[arg-type]
+    assert inside.calls == [("failed", (error,))] and outside.calls == [("reset", ())]
