@@ -6,8 +6,10 @@
 backward, ``unpack`` rebuilds the tensor; the first unpack of a forward seals it, and the way back (``inbound.py``)
 fetches copies ahead of need on the link model of ``schedule.py``.
 
-The memory-budget planner, where there is one, is told of the step's landmarks (a measuring step's watermark passed,
-backward begun, the head left, backward ended); it reads its counters there and decides nothing here. Torch only.
+Where there is a memory-budget planner, the datapath marks the step's landmarks for it in its
+:class:`~lightning_offload.step_marks.StepMarks` (a measuring step's watermark passed, backward begun, the head left,
+backward ended); nothing is decided here. Per saved tensor that is an attribute read, and a call only in a measuring
+step with a watermark. Torch only.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer,
 
 if TYPE_CHECKING:
     from lightning_offload.budget import BudgetPlanner
+    from lightning_offload.step_marks import StepMarks
 
 
 class Datapath:
@@ -55,6 +58,7 @@ class Datapath:
         self.inbound: InboundQueue | None = None
         self.pool: PoolAccount | None = None
         self.planner: BudgetPlanner | None = None
+        self.marks: StepMarks | None = None  # the planner's, where there is one
         self.settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         self.stats = OffloadStats()
         self.log = SaveLog()
@@ -132,7 +136,8 @@ class Datapath:
             log.forward_open = True
             outbound.start_forward(outbound.planned_limit)
             self.transfer.forward_started()
-        if self.planner is not None and self.planner.marks.passed_watermark():
+        marks = self.marks
+        if marks is not None and marks.watermark is not None and marks.passed_watermark():
             # The measuring step nears the budget: everything saved so far and from now on leaves. (Keeping the tail
             # here was tried: the plans then counted it twice, as part of the peak's fixed share and as kept
             # activations; on an H200 Llama-1B's floor budget went from checkpointing at 1.24x to offloading at 3.2x.)
@@ -188,8 +193,8 @@ class Datapath:
         self.transfer.forward_ended(saved)
         if policy.backward_running():  # the first unpack: backward has started; time it, and note its peak
             self.transfer.backward_started(saved)
-            if self.planner is not None:
-                self.planner.marks.backward_started()
+            if self.planner is not None and self.marks is not None:
+                self.marks.backward_started()
                 self.inbound.hold_above = self.planner.head_start(self.log.position - saved, self.log.position)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self.inbound.add_forward(offloaded)
@@ -217,8 +222,8 @@ class Datapath:
         self.transfer.backward_ended()
         if self.settling is not None:
             self.settling.backward_finished()
-        if self.planner is not None:
-            self.planner.marks.backward_finished()
+        if self.marks is not None:
+            self.marks.backward_finished()
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is tuple:
@@ -240,8 +245,8 @@ class Datapath:
         outbound, inbound = self.outbound, self.inbound
         assert outbound is not None and inbound is not None
         self.log.reached(view)
-        if inbound.left_head(self.log.backward_pos) and self.planner is not None:
-            self.planner.marks.left_head(outbound.inflight_bytes)
+        if inbound.left_head(self.log.backward_pos) and self.marks is not None:
+            self.marks.left_head(outbound.inflight_bytes)
         outbound.retire()  # before the version check: a finished copy seals the version it saw
         copy.check_version(view.version)
         if copy.state is not State.OFFLOADED:

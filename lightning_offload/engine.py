@@ -36,7 +36,6 @@ from lightning_offload.carried_plans import carried, fingerprint, take_carried
 from lightning_offload.checkpointing import WrappedBlocks
 from lightning_offload.compile_warnings import unplanned_if_compiled, warn_if_compiled_across_blocks
 from lightning_offload.datapath import Datapath
-from lightning_offload.device_memory import SettledCache
 from lightning_offload.host_pool import host_limit
 from lightning_offload.options import OffloadOptions, no_cuda_message
 from lightning_offload.stats import OffloadStats
@@ -94,7 +93,6 @@ class OffloadEngine:
         # Created with the device (at the first install: the engine must pickle before first use), when options plan.
         self.planner: BudgetPlanner | None = None
         self._carried_plans: dict[str, Any] | None = None  # an earlier fit's plans, given to the planner as it is made
-        self._settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         self._host_limit: int | None = None
         self._first_input: tuple[Hashable] | None = None  # named before the planner existed (``None`` is a key too)
 
@@ -121,7 +119,7 @@ class OffloadEngine:
             if self.planner is not None and self._first_input is not None:
                 self.planner.input_changed(self._first_input[0])
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
-        if self._settling is not None and self._settling.step_begins():
+        if self._path.settling is not None and self._path.settling.step_begins():
             _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied")
         plan_limit = None
         if self.planner is not None:
@@ -172,8 +170,8 @@ class OffloadEngine:
             self._blocks.remove()
         if self.planner is not None:
             self.planner.remove()
-        if self._settling is not None:
-            self._settling.close()
+        if self._path.settling is not None:
+            self._path.settling.close()
 
     def __enter__(self) -> OffloadEngine:
         self.install()
@@ -225,10 +223,11 @@ class OffloadEngine:
         path = self._path
         path.connect(self.options, device, self._streams, self.host_limit)
         self.planner = path.planner = planner_for(self.options, device, path.transfer, model, self._memory)
+        path.marks = self.planner.marks if self.planner is not None else None
         if self.planner is not None and self._carried_plans is not None:
             take_carried(self.planner.core, self._fingerprint(), self._carried_plans)
         if self.planner is None:
-            self._settling = path.settling = settling_for(self.options, device, self._memory, budget)
+            path.settling = settling_for(self.options, device, self._memory, budget)
 
     def plans_state(self) -> dict[str, Any] | None:
         """The planner's plans, as plain values with a fingerprint of the model, budget and device they were measured
