@@ -788,20 +788,23 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     return row
 
 
-def _child(config: dict[str, Any], steps: int, tiny: bool, queue: Any) -> None:
+def _child(run: Callable[..., dict[str, Any]], config: dict[str, Any], steps: int, tiny: bool, queue: Any) -> None:
     try:
-        row = run_config(config, steps, tiny)
+        row = run(config, steps, tiny)
     except BaseException as exc:  # the row says what broke; the zoo goes on
         row = {"config": config["name"], "entry": config["entry"], "settings": config, "error": repr(exc)}
         row["traceback"] = traceback.format_exc()[-3000:]
     queue.put(json.dumps(row, default=str))
 
 
-def run_isolated(config: dict[str, Any], steps: int, tiny: bool, timeout_s: float) -> dict[str, Any]:
-    """:func:`run_config` in a forked child: a fresh CUDA context, allocator and planner for every configuration."""
+def run_isolated(
+    config: dict[str, Any], steps: int, tiny: bool, timeout_s: float, run: Callable[..., dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``run(config, steps, tiny)`` (:func:`run_config` by default) in a forked child: a fresh CUDA context, allocator
+    and planner for every configuration."""
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    process = context.Process(target=_child, args=(config, steps, tiny, queue))
+    process = context.Process(target=_child, args=(run or run_config, config, steps, tiny, queue))
     start = time.perf_counter()
     process.start()
     try:
