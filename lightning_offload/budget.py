@@ -144,9 +144,6 @@ class BudgetPlanner:
     def candidates(self) -> list[Plan]:
         return self.core.candidates()
 
-    def runs_input(self, key: Hashable) -> bool:
-        return self.core.runs_input(key)
-
     def input_changed(self, key: Hashable) -> bool:
         """The next step's input is ``key`` (:meth:`Planner.input_changed`); call it between steps. Returns whether the
         next step measures."""
@@ -219,9 +216,7 @@ class BudgetPlanner:
         if self.core.open is None:
             return
         measuring, marks = self.measuring, self.marks
-        if measuring:
-            marks.watermark = None
-            self._blocks.unwatch()
+        self._stop_watching()
         obs = Observation(
             peak=marks.peak(),
             forward_peak=marks.forward_peak,
@@ -255,9 +250,7 @@ class BudgetPlanner:
         new input. Where it ran ``out_of_memory`` (``request``: the bytes it failed to allocate), the core corrects."""
         if self.core.open is None:
             return
-        if self.measuring:
-            self.marks.watermark = None
-            self._blocks.unwatch()
+        self._stop_watching()
         obs = Observation(raised=True, out_of_memory=out_of_memory, tripped=self.marks.tripped)
         if out_of_memory:
             obs = Observation(
@@ -298,6 +291,12 @@ class BudgetPlanner:
     def remove(self) -> None:
         """Leave the model as it was: drop this planner's checkpointing and hooks."""
         self._blocks.remove()
+
+    def _stop_watching(self) -> None:
+        """A measuring step ends (or raised): its watermark and its watch over the blocks end with it."""
+        if self.measuring:
+            self.marks.watermark = None
+            self._blocks.unwatch()
 
     def _say(self) -> None:
         """The core's notices, out through the one channel: the logger, and :attr:`on_plan` for plans."""

@@ -57,8 +57,8 @@ class Datapath:
         self.outbound: OutboundQueue | None = None
         self.inbound: InboundQueue | None = None
         self.pool: PoolAccount | None = None
-        self.planner: BudgetPlanner | None = None
-        self.marks: StepMarks | None = None  # the planner's, where there is one
+        self.planner: BudgetPlanner | None = None  # set with its marks by :meth:`use_planner`
+        self.marks: StepMarks | None = None  # the planner's: read per saved tensor, so held here
         self.settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         self.stats = OffloadStats()
         self.log = SaveLog()
@@ -83,6 +83,10 @@ class Datapath:
             self.transfer = StreamedTransfer(streams, options.measure_copies)
         self.outbound = OutboundQueue(options, self.transfer, self.pool, host_limit)
         self.inbound = InboundQueue(self.transfer, device, options.prefetch_bytes)
+
+    def use_planner(self, planner: BudgetPlanner | None) -> None:
+        """Mark the steps' landmarks for ``planner`` (``None``: steps are not planned)."""
+        self.planner, self.marks = planner, planner.marks if planner is not None else None
 
     def start_step(self) -> None:
         """A new step's counters; the save log's positions carry on."""
@@ -193,8 +197,8 @@ class Datapath:
         self.transfer.forward_ended(saved)
         if policy.backward_running():  # the first unpack: backward has started; time it, and note its peak
             self.transfer.backward_started(saved)
-            if self.planner is not None and self.marks is not None:
-                self.marks.backward_started()
+            if self.planner is not None:
+                self.planner.marks.backward_started()
                 self.inbound.hold_above = self.planner.head_start(self.log.position - saved, self.log.position)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         self.inbound.add_forward(offloaded)

@@ -222,8 +222,8 @@ class OffloadEngine:
         device = self.options.resolved_device() or _no_device()
         path = self._path
         path.connect(self.options, device, self._streams, self.host_limit)
-        self.planner = path.planner = planner_for(self.options, device, path.transfer, model, self._memory)
-        path.marks = self.planner.marks if self.planner is not None else None
+        self.planner = planner_for(self.options, device, path.transfer, model, self._memory)
+        path.use_planner(self.planner)
         if self.planner is not None and self._carried_plans is not None:
             take_carried(self.planner.core, self._fingerprint(), self._carried_plans)
         if self.planner is None:
@@ -271,7 +271,7 @@ class OffloadEngine:
         if planner is None:
             self._first_input = (key,)  # named to the planner once the first step makes it
             return
-        if planner.runs_input(key):
+        if planner.core.runs_input(key):
             return
         self.end_step()  # the step before ran the old input: it counts for that one
         planner.input_changed(key)

@@ -69,10 +69,9 @@ class InputBook:
                 kept = lent[1]
         if kept is None or kept.profile is None:
             frugal = kept.frugal_next if kept is not None else left.frugal_next
-            trials = PlanTrials(left.trials.enabled)
-            return InputRecord(
-                trials, measure_left=max(1, left.measure_left), frugal_next=frugal, base=left.base
-            ), False
+            trials, measure_left = PlanTrials(left.trials.enabled), max(1, left.measure_left)
+            fresh = InputRecord(trials, measure_left=measure_left, frugal_next=frugal, base=left.base)
+            return fresh, False
         profile = kept.profile
         kept.profile = machine.taught(profile)
         kept.plan_since = None  # the steps since it last ran ran other plans

@@ -58,7 +58,6 @@ class Planner:
 
     def __init__(self, budget: int, trials: bool = True, frugal_first: bool = True) -> None:
         self.budget = budget
-        self.trials_enabled = trials
         self.rec = InputRecord(PlanTrials(trials), measure_left=MEASURED_STEPS, frugal_next=frugal_first)
         self.book = InputBook()  # the current input's key and the other inputs' records
         self.trace = Trace(budget, trials, frugal_first)
@@ -170,11 +169,10 @@ class Planner:
             if plan.peak + self.fit_margin > self.budget:
                 self._choose(memory=True)
         heavier = heavier_than_planned(plan, obs, self.budget)
-        if heavier > 0 and rec.lent:
-            return self._misled_by_lent_plan(heavier)
-        if heavier > 0:
-            rec.profile = dataclasses.replace(rec.profile, correction=rec.profile.correction + heavier)
-            self._choose(memory=True)
+        if heavier > 0:  # a lent plan that misled the input: it measures; else the model corrects by the miss
+            if not self._misled_if_lent(heavier):
+                rec.profile = dataclasses.replace(rec.profile, correction=rec.profile.correction + heavier)
+                self._choose(memory=True)
             return
         if rec.settling and d.phase is not Phase.TRYING:
             rec.settling = False
@@ -193,8 +191,8 @@ class Planner:
             return
         if not obs.out_of_memory or rec.plan is None or rec.profile is None:
             return
-        if rec.lent:
-            return self._misled_by_lent_plan(None)
+        if self._misled_if_lent(None):
+            return
         rec.profile = after_out_of_memory(rec.profile, rec.plan, obs, self.budget, self.fit_margin)
         self._choose(memory=True)
 
@@ -253,13 +251,16 @@ class Planner:
         self.copies_lost = False
         self.rec.forget(measuring_steps)
 
-    def _misled_by_lent_plan(self, heavier: int | None) -> None:
-        """A lent plan misled this input (its step peaked ``heavier`` bytes past it; ``None``: ran out of memory): it
-        measures, frugally after an out-of-memory error, and is never lent a plan again."""
+    def _misled_if_lent(self, heavier: int | None) -> bool:
+        """Whether the input runs a lent plan, which then misled it (its step peaked ``heavier`` bytes past it;
+        ``None``: ran out of memory): it measures, frugally after an out-of-memory error, and is lent no plan again."""
+        if not self.rec.lent:
+            return False
         self._say(logging.INFO, words.lent_plan_misled(self.input_key, heavier))
         self.rec.forget(1)
         self.rec.frugal_next = self.rec.frugal_next or heavier is None
         self.book.misled(self.book.key)
+        return True
 
     # ------------------------------------------------------------------------------------------------ choosing
 

@@ -89,5 +89,5 @@ def restore_plans(planner: Planner, state: dict[str, Any]) -> int:
     planner.machine = Machine(**state["machine"])
     planner.copies_lost = bool(state["copies_lost"])
     for key, rec_state in state["inputs"]:
-        planner.book.keep(key_from_json(key), _record_from(rec_state, planner.trials_enabled))
+        planner.book.keep(key_from_json(key), _record_from(rec_state, planner.rec.trials.enabled))
     return len(state["inputs"])
