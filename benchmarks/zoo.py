@@ -10,8 +10,8 @@ Each configuration runs in a fresh process (forked before CUDA is initialised) a
 cap (its peak sets the cap), then under a hard cap of 0.5-0.9 of that peak (``set_per_process_memory_fraction``)
 ``planned`` (``memory_budget`` = the cap) and ``ac`` (HF or torch activation checkpointing of every block, no
 offloading). A row says whether the planner's floor fits, how many out-of-memory errors planned or trial steps met,
-the step time against ``none`` and ``ac``, how many steps measured or timed plans, and the planner's prediction error
-per phase.
+the step time against ``none`` and ``ac`` (the planned arm's last 4 batches, once 5 in a row ran a kept plan: the steps
+a long fit runs), how many steps measured or timed plans, and the planner's prediction error per phase.
 
     python -m benchmarks.zoo --part 1/3 --out benchmarks/out/zoo-1.json   # on a GPU, one part of the zoo
     python -m benchmarks.zoo --merge benchmarks/out/zoo-*.json --out benchmarks/results/zoo/2026-12-03.json
@@ -330,6 +330,11 @@ def make_optimizer(config: dict[str, Any], params: Any) -> Any:
 # -------------------------------------------------------------------------------------------------------------- arms
 
 
+# The planned arm ends once this many batches in a row ran a kept plan: its last 4, the ones timed, are then steps a
+# long fit runs, not plan trials (which a fit of a thousand steps pays once per input).
+SETTLE = 5
+# Batches of the arms without a planner: the first warms up, the last 4 are timed.
+PLAIN_BATCHES = 6
 _SNAPSHOT = False  # record the allocator's history in planned arms and summarise what was live at an out of memory
 
 
@@ -387,6 +392,11 @@ class ArmRecord:
         if self._last:
             self.times.append(time.perf_counter() - self._last)
         self._last = 0.0
+
+    def settled(self, batches: int) -> bool:
+        """Whether the last ``batches`` batches all ran a kept plan (``batches`` 0: never; the arm runs all its
+        batches)."""
+        return 0 < batches <= len(self.kinds) and all(kind == "planned" for kind in self.kinds[-batches:])
 
     def step_seconds(self, last: int = 4) -> float | None:
         """The median of the last ``last`` batches' times (``None``: the arm ran out of memory or too few ran)."""
@@ -465,8 +475,11 @@ def _kind(planner: Any) -> str:
     return "measuring" if planner.measuring else "trial" if planner.trying else "planned"
 
 
-def run_context(config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any) -> ArmRecord:
-    """A plain PyTorch loop; ``arm``: ``none``, ``ac`` or ``planned`` (``offload_activations`` under ``budget``)."""
+def run_context(
+    config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any, settle: int = 0
+) -> ArmRecord:
+    """A plain PyTorch loop; ``arm``: ``none``, ``ac`` or ``planned`` (``offload_activations`` under ``budget``).
+    With ``settle``, the loop ends early once that many batches in a row ran a kept plan."""
 
     from lightning_offload import offload_activations
 
@@ -483,7 +496,7 @@ def run_context(config: dict[str, Any], arm: str, steps: int, budget: int | None
     phase = _Phase(device, track_peak=arm == "none")
     with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
-            _context_loop(config, model, optimizer, off, steps, device, record, sync)
+            _context_loop(config, model, optimizer, off, steps, device, record, sync, settle)
     _arm_peaks(record, phase, device)
     return record
 
@@ -497,6 +510,7 @@ def _context_loop(
     device: Any,
     record: ArmRecord,
     sync: Callable[[], None],
+    settle: int = 0,
 ) -> None:
     import torch
 
@@ -515,10 +529,14 @@ def _context_loop(
         if (step + 1) % config["accumulate"] == 0:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if record.settled(settle):
+                break
 
 
-def run_fabric(config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any) -> ArmRecord:
-    """A Fabric loop; the arms as in :func:`run_context` (``fabric_offload`` under ``budget``)."""
+def run_fabric(
+    config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any, settle: int = 0
+) -> ArmRecord:
+    """A Fabric loop; the arms and ``settle`` as in :func:`run_context` (``fabric_offload`` under ``budget``)."""
     from lightning.fabric import Fabric
 
     from lightning_offload.fabric import fabric_offload
@@ -551,13 +569,18 @@ def run_fabric(config: dict[str, Any], arm: str, steps: int, budget: int | None,
                 if (step + 1) % config["accumulate"] == 0:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+                    if record.settled(settle):
+                        break
     _arm_peaks(record, phase, device)
     return record
 
 
-def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any) -> ArmRecord:
+def run_callback(
+    config: dict[str, Any], arm: str, steps: int, budget: int | None, device: Any, settle: int = 0
+) -> ArmRecord:
     """``Trainer.fit`` (once or twice in a row, with validation as configured); ``planned``: with
-    ``ActivationOffloadCallback(memory_budget=budget)``."""
+    ``ActivationOffloadCallback(memory_budget=budget)``. With ``settle``, the last fit stops early once that many
+    batches in a row ran a kept plan (an earlier fit runs all its batches)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, Dataset
 
@@ -612,12 +635,16 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             phase._post()
-            if trainer.global_step >= trainer.max_steps:
+            last_fit = fits_left[0] == 1
+            if last_fit and record.settled(settle):
+                trainer.should_stop = True
+            if trainer.global_step >= trainer.max_steps or trainer.should_stop:
                 # The last batch ends here: timed after `fit` returns, it would hold the fit's teardown too (with 4
                 # batches timed, that made the plain arm look up to 10x slower than it is).
                 record.finish(sync)
 
     planners: list[Any] = [None]
+    fits_left = [config["fits"]]
 
     offload = None
     if arm == "planned":
@@ -654,6 +681,7 @@ def run_callback(config: dict[str, Any], arm: str, steps: int, budget: int | Non
                 record.times, record.kinds = [], []  # the last fit's are the ones timed
                 trainer.fit(module, loader, val if (config["sanity"] or config["val_every"]) else None)
                 record.finish(sync)
+                fits_left[0] -= 1
     _arm_peaks(record, phase, device)
     return record
 
@@ -723,15 +751,15 @@ class _PlannerLog(logging.Handler):
 
 def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]:
     """One configuration's row: ``none`` uncapped, then ``planned`` and ``ac`` under a cap of ``fraction`` x
-    ``none``'s peak (no cap on the CPU)."""
+    ``none``'s peak (no cap on the CPU). ``planned`` runs at most ``steps`` batches and ends once :data:`SETTLE`
+    batches in a row ran a kept plan, so its timed batches are the steps a long fit runs, not plan trials."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not tiny else torch.device("cpu")
     runner = RUNNERS[config["entry"]]
     row: dict[str, Any] = {"config": config["name"], "entry": config["entry"], "settings": config}
-    # (The first batch warms up: 6 or more, so the last 4 timed are steady.)
-    none = runner(config, "none", max(6, steps // 3), None, device)
+    none = runner(config, "none", PLAIN_BATCHES, None, device)
     row["none_peak_gib"] = none.peak / GiB
     if none.oom is not None or none.error is not None:
         row["error"] = "none ran out of memory uncapped"
@@ -748,14 +776,14 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     if _SNAPSHOT and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200000)
     try:
-        planned = runner(config, "planned", steps, cap, device)
+        planned = runner(config, "planned", steps, cap, device, settle=SETTLE)
     finally:
         logging.getLogger("lightning_offload").removeHandler(handler)
         if _SNAPSHOT and device.type == "cuda":
             torch.cuda.memory._record_memory_history(enabled=None)
     planned.floor_warned = any("does NOT fit" in m or "no plan can keep" in m for m in handler.messages)
     _free(device)
-    ac = runner(config, "ac", max(6, steps // 3), None, device)
+    ac = runner(config, "ac", PLAIN_BATCHES, None, device)
     none_s, ac_s, planned_s = none.step_seconds(), ac.step_seconds(), planned.step_seconds()
     oom_kind = planned.oom["kind"] if planned.oom else None
     # The floor: the least any plan can hold. The optimizer's step holds what no plan changes (weights, gradients,
@@ -911,7 +939,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=42)
     parser.add_argument("--part", default="1/1", help="i/n: run the i-th of n equal slices of the configurations")
     parser.add_argument("--only", default="", help="comma-separated configuration indices to run")
-    parser.add_argument("--steps", type=int, default=18, help="batches of the planned arm (none and ac: a third)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help=f"most batches of the planned arm (it ends once {SETTLE} in a row ran a kept plan; none and ac run "
+        f"{PLAIN_BATCHES})",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU: checks the rig, not the budget")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")
     parser.add_argument("--out", type=Path, default=None)

@@ -87,3 +87,25 @@ def test_the_plot_draws_planned_steps_and_nothing_where_none_was_planned(tmp_pat
     assert (tmp_path / "zoo.png").stat().st_size > 1000
     zoo._plot([{"entry": "context", "observations": [measuring]}], tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_an_arm_settles_once_enough_batches_in_a_row_ran_a_kept_plan() -> None:
+    record = zoo.ArmRecord()
+    record.kinds = ["measuring", "trial", "planned", "planned"]
+    assert not record.settled(3) and record.settled(2) and not record.settled(0)
+    record.kinds.append("trial")
+    assert not record.settled(1)
+
+
+@pytest.mark.parametrize("entry", ["context", "fabric", "callback"])
+def test_the_planned_arm_ends_early_once_settled(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry point stops after ``settle`` planned batches (on the CPU nothing is planned: the batch kind is faked),
+    and runs all its batches without ``settle``."""
+    import torch
+
+    config = next(c for c in zoo.generate(2026, 42, tiny=True) if c["entry"] == entry)
+    config = {**config, "accumulate": 1, "fits": 1, "sanity": False, "val_every": 0}
+    monkeypatch.setattr(zoo, "_kind", lambda planner: "planned")
+    runner = zoo.RUNNERS[entry]
+    assert len(runner(config, "none", 7, None, torch.device("cpu"), settle=3).kinds) == 3
+    assert len(runner(config, "none", 7, None, torch.device("cpu")).kinds) == 7
