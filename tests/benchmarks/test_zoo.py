@@ -99,8 +99,8 @@ def test_an_arm_settles_once_enough_batches_in_a_row_ran_a_kept_plan() -> None:
 
 @pytest.mark.parametrize("entry", ["context", "fabric", "callback"])
 def test_the_planned_arm_ends_early_once_settled(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every entry point stops after ``settle`` planned batches (on the CPU nothing is planned: the batch kind is faked),
-    and runs all its batches without ``settle``."""
+    """Every entry point stops after ``settle`` planned batches (nothing is planned on the CPU: the batch kind is
+    faked), and runs all its batches without ``settle``."""
     import torch
 
     config = next(c for c in zoo.generate(2026, 42, tiny=True) if c["entry"] == entry)
