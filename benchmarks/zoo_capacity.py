@@ -1,8 +1,9 @@
 """``python -m benchmarks.zoo_capacity``: the longest batch-1 sequence that trains under a hard cap, on the zoo's rig.
 
 Each probe runs one arm of one model at one sequence length in a fresh process (:func:`benchmarks.zoo.run_isolated`)
-under ``set_per_process_memory_fraction`` at the cap, for ``--steps`` batches through a plain PyTorch loop
-(``offload_activations``); it trains if no batch raised. The arms:
+under ``set_per_process_memory_fraction`` at the cap through a plain PyTorch loop (``offload_activations``); it trains
+if no batch raised: a planned probe runs until its plan is kept (at most ``--steps`` batches), the others 6 batches.
+The arms:
 
 - ``planned``: ``memory_budget`` = the cap (the planner measures, times plans and keeps one);
 - ``ac``: HF activation checkpointing of every block, no offloading, the allocator as the user left it;
@@ -65,7 +66,7 @@ def config_of(model: str, seq: int, tiny: bool = False) -> dict[str, Any]:
 
 
 def probe(config: dict[str, Any], steps: int, tiny: bool, arm: str, cap: int | None) -> dict[str, Any]:
-    """One arm at one length, in the calling (fresh) process: whether ``steps`` batches trained under ``cap`` bytes
+    """One arm at one length, in the calling (fresh) process: whether it trained under ``cap`` bytes
     (``None``: uncapped, the CPU), with the peak and what stopped it."""
     import torch
 
@@ -77,11 +78,16 @@ def probe(config: dict[str, Any], steps: int, tiny: bool, arm: str, cap: int | N
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
     if arm == "ac-expandable" and device.type == "cuda":
         use_expandable_segments(device)  # before anything is allocated: every segment expandable
-    record = zoo.run_context(config, "ac" if arm.startswith("ac") else arm, steps, cap, device)
+    # The planned arm runs until its plan is kept (or ``steps`` batches): a length trains if no trial raised either.
+    planned = arm == "planned"
+    batches = steps if planned else min(steps, zoo.PLAIN_BATCHES)
+    settle = zoo.SETTLE if planned else 0
+    record = zoo.run_context(config, arm if planned else "ac", batches, cap, device, settle=settle)
+    ran = len(record.kinds) >= batches or record.settled(zoo.SETTLE)
     return {
         "seq": config["seq"],
         "arm": arm,
-        "trained": record.oom is None and record.error is None and len(record.kinds) >= steps,
+        "trained": record.oom is None and record.error is None and ran,
         "peak_gib": record.peak / zoo.GiB,
         "oom": record.oom,
         "error": record.error,
@@ -127,8 +133,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Capacity: {result['model']} at batch 1 {cap}",
         "",
-        f"{result['device']}, torch {result['torch']}; {result['steps']} batches per probe, sequences in steps of "
-        f"{result['seq_step']} up to {result['max_seq']}.",
+        f"{result['device']}, torch {result['torch']}; planned probes run until a plan is kept (at most "
+        f"{result['steps']} batches), the others {zoo.PLAIN_BATCHES}; sequences in steps of {result['seq_step']} up "
+        f"to {result['max_seq']}.",
         "",
         "| arm | longest sequence that trains | probes (tokens: trains / fails) |",
         "|---|---|---|",
@@ -146,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--seq-step", type=int, default=2048)
     parser.add_argument("--max-seq", type=int, default=65536)
-    parser.add_argument("--steps", type=int, default=8, help="batches per probe (the planned arm measures and tries)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help=f"most batches of a planned probe (it ends once {zoo.SETTLE} in a row ran a kept plan; the checkpointed "
+        f"arms run {zoo.PLAIN_BATCHES})",
+    )
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one probe may take")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the rig, not the cap")
     parser.add_argument("--out", type=Path, default=None)
