@@ -27,6 +27,7 @@ from lightning_offload.fit_engine import (
     engine_for_fit,
     install_for_batch,
     leaves_after_backward,
+    say_if_floor_over,
 )
 from lightning_offload.host_pool import release_host_memory
 from lightning_offload.kept_plans import KeptPlans
@@ -170,6 +171,7 @@ class ActivationOffloadCallback(Callback):
         self._leave_after_backward = leaves_after_backward(trainer, pl_module)
         self._pictures.fit_start(trainer, self._leave_after_backward)
         announce_planning(self._engine, pl_module, self.options.memory_budget)
+        say_if_floor_over(self._engine, trainer, pl_module)
 
     @override
     def on_train_batch_start(

@@ -5,6 +5,7 @@ ends or the fit fails."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import lightning.pytorch as pl
 import torch
@@ -13,7 +14,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.options import OffloadOptions, no_cuda_message
 from lightning_offload.planned_blocks import compiled_modules
+from lightning_offload.planner import words
 from lightning_offload.reporting import StepReporter
+from lightning_offload.resting_floor import resting_floor
+
+_log = logging.getLogger("lightning_offload")
 
 
 def engine_for_fit(
@@ -75,6 +80,30 @@ def announce_planning(engine: OffloadEngine | None, pl_module: pl.LightningModul
     planned = engine is not None and engine.options.plans and not compiled_modules(pl_module)
     if planned and pl_module.device.type == "cuda":  # (a compiled module is not planned: the engine says so)
         rank_zero_info(f"ActivationOffloadCallback: memory_budget={budget!r}; measuring the first batch to plan")
+
+
+def say_if_floor_over(engine: OffloadEngine | None, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Say before the first batch, where the weights, their gradients and the optimizers' state to come already pass
+    a budget the user gave: no plan fits then (:mod:`~lightning_offload.resting_floor`).
+
+    Args:
+        engine: the fit's engine (``None``: nothing offloads).
+        trainer: the trainer, its optimizers set up.
+        pl_module: the module being fit.
+
+    Returns:
+        Whether it was said.
+    """
+    budget = engine.options.budget_bytes() if engine is not None and engine.options.plans else None
+    device = engine.device if engine is not None else None
+    if budget is None or device is None or device.type != "cuda":
+        return False
+    floor = resting_floor(torch.cuda.memory_allocated(device), device, trainer.optimizers, pl_module.parameters())
+    if floor.total <= budget:
+        return False
+    text = words.resting_floor_over(budget, floor.allocated, floor.gradients, floor.state, floor.optimizers)
+    _log.warning(f"ActivationOffloadCallback: {text}")
+    return True
 
 
 def install_for_batch(engine: OffloadEngine, reporter: StepReporter, trainer: pl.Trainer) -> None:

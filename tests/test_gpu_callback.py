@@ -215,3 +215,36 @@ def test_a_second_fit_runs_the_first_fits_plans_without_measuring(tmp_path: Path
     assert kinds[0][:2] == ["measuring", "measuring"], kinds
     assert kinds[1] and "measuring" not in kinds[1], kinds
     assert callback.state_dict()["plans"]["plans"]["inputs"]
+
+
+@pytest.mark.parametrize("room", [0.6, 8.0])
+def test_a_budget_below_weights_gradients_and_optimizer_state_is_said_before_the_first_batch(
+    tmp_path: Path, room: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With AdamW, the weights, their gradients and both moments are four times the weights before any activation: a
+    budget of 0.6 of that is said to fit no plan before the first batch runs; a budget of 8x says nothing."""
+    module = TokenModule()
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    seen: list[bool] = []
+
+    class SeenBefore(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+            seen.append(any("before any activation" in r.getMessage() for r in caplog.records))
+
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=1,
+        callbacks=[ActivationOffloadCallback(memory_budget=int(room * 4 * weights)), SeenBefore()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    with caplog.at_level("WARNING", logger="lightning_offload"):
+        trainer.fit(module, DataLoader(list(torch.randint(0, 4096, (2, 4, 256))), batch_size=None))
+    assert seen == [room < 1], seen
+    said = [r.getMessage() for r in caplog.records if "before any activation" in r.getMessage()]
+    assert len(said) == (room < 1)
+    if said:
+        assert "of AdamW's state to come" in said[0] and "No plan can keep the step within the budget" in said[0]

@@ -19,6 +19,19 @@ def budget_taken(budget: int, base: int) -> str:
     )
 
 
+def resting_floor_over(budget: int, allocated: int, gradients: int, state: int, optimizers: tuple[str, ...]) -> str:
+    """Before the first step: the weights (``allocated``), the ``gradients`` and the ``state`` of ``optimizers`` to
+    come already pass the budget."""
+    total = allocated + gradients + state
+    held = f"{_gib(allocated)} allocated now (the weights), {_gib(gradients)} of gradients"
+    held += f" and {_gib(state)} of {' and '.join(optimizers)}'s state to come" if state else " to come"
+    return (
+        f"memory_budget={_gib(budget)}: before any activation, a training step holds at least {_gib(total)}: {held}. "
+        "No plan can keep the step within the budget: a budget above that, fewer trainable weights (adapters such as "
+        "LoRA, say) or an optimizer that keeps less state"
+    )
+
+
 def base_grew(budget: int, grown: int) -> str:
     return (
         f"memory_budget={_gib(budget)}: the step begins with {_gib(grown)} more allocated than the measured one "

@@ -109,3 +109,13 @@ def test_the_planned_arm_ends_early_once_settled(entry: str, monkeypatch: pytest
     runner = zoo.RUNNERS[entry]
     assert len(runner(config, "none", 7, None, torch.device("cpu"), settle=3).kinds) == 3
     assert len(runner(config, "none", 7, None, torch.device("cpu")).kinds) == 7
+
+
+def test_the_floor_counts_as_said_by_every_message_that_says_so_before_a_step() -> None:
+    from lightning_offload.planner import words
+
+    gib = 1 << 30
+    assert zoo.said_floor_over(words.resting_floor_over(gib, gib, gib, 2 * gib, ("AdamW",)))
+    assert zoo.said_floor_over(words.budget_taken(gib, 2 * gib))
+    assert zoo.said_floor_over(words.frugal_step_passes(gib, 2 * gib, gib, gib, gib))
+    assert not zoo.said_floor_over(words.base_grew(gib, gib))

@@ -1,0 +1,84 @@
+"""What a training step holds before it saves a single activation: the weights, their gradients and the optimizer's
+state. No plan changes it, and it is known before the first step (gradients and the optimizer's state are allocated
+in that step), so a budget below it can be said before anything runs. Torch only: no Lightning import."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RestingFloor:
+    """Bytes a step holds on the device whatever its plan.
+
+    Attributes:
+        allocated: allocated on the device now (the weights, and whatever else the process holds).
+        gradients: the gradients still to come (trainable weights on the device without a ``.grad`` yet).
+        state: the optimizers' state still to come (0 where an optimizer's kind is not known: a lower bound).
+        optimizers: the kinds of optimizer counted, for the message (``"AdamW"``).
+    """
+
+    allocated: int
+    gradients: int
+    state: int
+    optimizers: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.allocated + self.gradients + self.state
+
+
+def state_per_weight(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    """How many values the size of a weight ``optimizer`` keeps per weight of ``group`` (0: none, or a kind not known,
+    so that the floor stays a lower bound)."""
+    optim = torch.optim
+    if isinstance(optimizer, optim.Adam | optim.AdamW):
+        return 3 if group.get("amsgrad") else 2  # both moments (and the running maximum)
+    if isinstance(optimizer, optim.NAdam | optim.RAdam | optim.Adamax | optim.Adadelta | optim.Rprop):
+        return 2
+    if isinstance(optimizer, optim.Adagrad | optim.ASGD):
+        return 1
+    if isinstance(optimizer, optim.RMSprop):
+        return 1 + (group.get("momentum", 0) > 0) + bool(group.get("centered"))
+    if isinstance(optimizer, optim.SGD):
+        return 1 if group.get("momentum", 0) > 0 else 0
+    return 0
+
+
+def resting_floor(
+    allocated: int, device: torch.device, optimizers: Iterable[torch.optim.Optimizer] = (), params: Iterable = ()
+) -> RestingFloor:
+    """The floor of a step on ``device``: ``allocated`` bytes now, plus the gradients and optimizer state its first
+    step will allocate for the weights of ``optimizers`` (each weight once) and of ``params`` (gradients only: no
+    optimizer is known for them)."""
+    seen: set[int] = set()
+    gradients = state = 0
+    kinds: list[str] = []
+
+    def to_come(param: object) -> bool:
+        return (
+            isinstance(param, torch.Tensor)
+            and param.requires_grad
+            and param.device.type == device.type
+            and (device.index is None or param.device.index == device.index)
+            and id(param) not in seen
+            and not seen.add(id(param))  # type: ignore[func-returns-value]
+        )
+
+    for optimizer in optimizers:
+        kinds.append(type(optimizer).__name__)
+        for group in optimizer.param_groups:
+            per_weight = state_per_weight(optimizer, group)
+            for param in group["params"]:
+                if not to_come(param):
+                    continue
+                nbytes = param.numel() * param.element_size()
+                gradients += nbytes if param.grad is None else 0
+                state += per_weight * nbytes if not optimizer.state.get(param) else 0
+    for param in params:
+        if to_come(param) and param.grad is None:
+            gradients += param.numel() * param.element_size()
+    return RestingFloor(allocated, gradients, state, tuple(dict.fromkeys(kinds)))

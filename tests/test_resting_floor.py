@@ -1,0 +1,67 @@
+"""The floor no plan changes: weights, gradients and optimizer state, counted before the first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_offload.planner import words
+from lightning_offload.resting_floor import resting_floor, state_per_weight
+
+CPU = torch.device("cpu")
+
+
+def _model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))  # 544 + 264 weights
+    model[1].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "per_weight"),
+    [
+        (lambda p: torch.optim.AdamW(p), 2),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), 3),
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+        (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 3),
+        (lambda p: torch.optim.Adagrad(p), 1),
+        (lambda p: torch.optim.LBFGS(p), 0),  # not known: counted as keeping nothing, so the floor stays a lower bound
+    ],
+)
+def test_state_per_weight_by_kind(make, per_weight: int) -> None:
+    optimizer = make(_model().parameters())
+    assert state_per_weight(optimizer, optimizer.param_groups[0]) == per_weight
+
+
+def test_the_floor_counts_what_the_first_step_allocates_for_trainable_weights_once() -> None:
+    model = _model()
+    trainable = 544 * 4
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    floor = resting_floor(1000, CPU, [optimizer], model.parameters())  # the model's weights again: counted once
+    assert (floor.allocated, floor.gradients, floor.state) == (1000, trainable, 2 * trainable)
+    assert floor.total == 1000 + 3 * trainable and floor.optimizers == ("AdamW",)
+
+
+def test_what_exists_already_is_not_counted_again() -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    assert resting_floor(0, CPU, [optimizer]).total == 0
+
+
+def test_without_an_optimizer_only_gradients_count_and_other_devices_not_at_all() -> None:
+    model = _model()
+    floor = resting_floor(0, CPU, (), model.parameters())
+    assert (floor.gradients, floor.state, floor.optimizers) == (544 * 4, 0, ())
+    assert resting_floor(0, torch.device("cuda", 0), (), model.parameters()).total == 0
+
+
+def test_the_message_says_what_the_floor_holds_and_what_to_do() -> None:
+    gib = 1 << 30
+    text = words.resting_floor_over(10 * gib, 4 * gib, 4 * gib, 8 * gib, ("AdamW",))
+    assert text.startswith("memory_budget=10.00 GiB: before any activation, a training step holds at least 16.00 GiB")
+    assert "4.00 GiB of gradients and 8.00 GiB of AdamW's state to come" in text
+    assert "No plan can keep the step within the budget" in text
+    assert "8.00 GiB of gradients to come" in words.resting_floor_over(gib, 0, 8 * gib, 0, ())
