@@ -162,8 +162,10 @@ class BudgetPlanner:
 
     # ------------------------------------------------------------------------------------------------ the step
 
-    def begin_step(self, position: Callable[[], int]) -> Plan | None:
-        """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark)."""
+    def begin_step(self, position: Callable[[], int], casts: Callable[[], int] | None = None) -> Plan | None:
+        """Start a step; returns its plan, or ``None`` for a measuring step (keep everything up to the watermark).
+        ``position``: the bytes saved so far; ``casts``: the bytes of weight casts saved so far (a measuring step's
+        blocks are watched through both)."""
         held = 0  # what the allocator held before emptying its cache (0: not emptied)
         release = getattr(self.memory, "release_cache", None)
         if self.core.empties_cache and release is not None:
@@ -185,7 +187,7 @@ class BudgetPlanner:
             self._blocks.checkpoint_all_but_one(split=True)
         else:
             self._blocks.checkpoint_last(len(self._blocks) if measure.frugal else 0, split=measure.by_parts)
-        self._blocks.watch(position)
+        self._blocks.watch(position, casts)
         return None
 
     def head_start(self, forward_start: int, forward_end: int) -> int | None:

@@ -33,6 +33,7 @@ from lightning_offload.savelog import SaveLog
 from lightning_offload.stats import OffloadStats
 from lightning_offload.streams import CudaStreams, SimulatedStreams, StreamBackend
 from lightning_offload.transfer import StreamedTransfer, SyncTransfer, Transfer, producer_stream
+from lightning_offload.weight_casts import WeightCasts
 
 if TYPE_CHECKING:
     from lightning_offload.budget import BudgetPlanner
@@ -62,6 +63,7 @@ class Datapath:
         self.settling: SettledCache | None = None  # without a planner: the cache emptied after the first steps
         self.stats = OffloadStats()
         self.log = SaveLog()
+        self.casts = WeightCasts()  # a measuring step's weight casts, per block (the planner turns it on)
         self.counted: list[StorageCopy] = []  # mode="off": what the open forward would offload (kept for dedup)
         self.said_tail = False  # whether a forward that fell wholly in the resident tail was said (once per engine)
         self._allocations_at_start = 0
@@ -132,6 +134,8 @@ class Datapath:
         stats.saved_tensors += 1
         span = policy.offload_span(tensor, self.device, self.options.min_tensor_bytes, self.params)
         if span is None:
+            if self.casts.counting:  # a measuring step: what the blocks hold out of the engine's reach
+                self.casts.saw(tensor, self.device, self.params)
             return keep(tensor)
         start, end, lo, hi = span
         log, outbound = self.log, self.outbound

@@ -61,6 +61,8 @@ class PlannedBlocks:
         self._kept_active = False
         self._clock = clock
         self._marks: dict[int, tuple[int, int, int]] = {}  # block id -> (position before, after, input bytes)
+        self._cast_marks: dict[int, tuple[int, int]] = {}  # block id -> weight-cast bytes saved before, after
+        self._casts_cached = False  # the watched forward ran under autocast with its cache of casts on
         self._times: list[Any] = []  # timing marks: before the first block, after each block
         self._handles: list[Any] = []
         self._after_last: Callable[[], None] | None = None
@@ -160,28 +162,37 @@ class PlannedBlocks:
 
         self._last_handle = self.blocks[-1][1].register_forward_hook(after)
 
-    def watch(self, position: Callable[[], int]) -> None:
-        """Note, for the next forward, the saved-bytes ``position`` around every block (and time them), and around the
-        parts of the second block. Blocks the user checkpoints are left to the user first (:meth:`leave_to_the_user`):
-        a module may switch its own checkpointing on after the planner was made (in ``configure_model``, say)."""
+    def watch(self, position: Callable[[], int], casts: Callable[[], int] | None = None) -> None:
+        """Note, for the next forward, the saved-bytes ``position`` and the weight casts saved (``casts``, bytes so
+        far) around every block (and time them), and the position around the parts of the second block. Blocks the
+        user checkpoints are left to the user first (:meth:`leave_to_the_user`): a module may switch its own
+        checkpointing on after the planner was made (in ``configure_model``, say)."""
         self.unwatch()
         self.leave_to_the_user()
         marks, times, clock, part_marks = self._marks, self._times, self._clock, self._part_marks
+        cast_marks, cast_bytes = self._cast_marks, casts or (lambda: 0)
         marks.clear()
         times.clear()
         part_marks.clear()
+        cast_marks.clear()
+        self._casts_cached = False
 
         def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             first = _first_input(args, kwargs)
             nbytes = first.numel() * first.element_size() if first is not None else 0
             if clock is not None and not marks:
                 times.append(clock.mark())
+            if not marks and first is not None:
+                on = torch.is_autocast_enabled(first.device.type)
+                self._casts_cached = on and torch.is_autocast_cache_enabled()
             marks.setdefault(id(module), (position(), 0, nbytes))
+            cast_marks.setdefault(id(module), (cast_bytes(), 0))
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             start, end, nbytes = marks.get(id(module), (0, 0, 0))
             if end == 0:  # not a recompute in backward
                 marks[id(module)] = (start, position(), nbytes)
+                cast_marks[id(module)] = (cast_marks.get(id(module), (0, 0))[0], cast_bytes())
                 if clock is not None:
                     times.append(clock.mark())
 
@@ -239,6 +250,11 @@ class PlannedBlocks:
         typical = [m for key, m in full.items() if key != id(self.blocks[0][1])] or list(full.values())
         cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
         block_bytes = sum(m[1] - m[0] for m in typical) // len(typical) if typical else 0
+        # The weight casts a block run in full holds (the same keys as ``typical``: blocks that ran in full).
+        full_casts = [self._cast_marks.get(key, (0, 0)) for key in full if key != id(self.blocks[0][1])] or [
+            self._cast_marks.get(key, (0, 0)) for key in full
+        ]
+        cast_bytes = sum(max(0, e - s) for s, e in full_casts) // len(full_casts) if full_casts else 0
         input_bytes = sum(m[2] for m in typical) // len(typical) if typical else 0
         first_input_bytes = input_bytes
         if cut_marks:
@@ -258,6 +274,8 @@ class PlannedBlocks:
             cut_bytes=sum(m[1] - m[0] for m in cut_marks),
             # A block that writes into a kept output in place cannot run so (backward would raise): no light blocks.
             kept_bytes=self._kept.nbytes if second_ran_full and not self._kept.mutated else 0,
+            cast_bytes=cast_bytes,
+            casts_cached=self._casts_cached,
         )
 
     def last_end(self) -> int:

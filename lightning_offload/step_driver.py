@@ -83,7 +83,8 @@ def plan_step(planner: BudgetPlanner, path: Datapath) -> int | None:
     transfer, outbound, inbound = path.transfer, path.outbound, path.inbound
     assert isinstance(transfer, StreamedTransfer) and outbound is not None and inbound is not None
     close_step(planner, path)
-    plan = planner.begin_step(lambda: path.log.position)
+    plan = planner.begin_step(lambda: path.log.position, lambda: path.casts.nbytes)
+    path.casts.start(counting=plan is None)  # a measuring step counts the weight casts its blocks hold
     profile = planner.profile
     apart = plan is not None and profile is not None and profile.two_peaks
     # Plans with the head's backward apart count no copy in flight there: the engine lets go of them as forward

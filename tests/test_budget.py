@@ -2408,3 +2408,30 @@ def test_a_new_input_does_not_time_plans_that_copy_again_once_another_inputs_tri
     assert not planner.trying and planner.plan is not None and planner.plan.fits
     assert after and not any(after), after
     assert len(after) == len(alone) + 1  # as a new input it measured once; alone, as the first, twice
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_measuring_step_counts_the_weight_casts_of_the_blocks_it_runs_in_full(cache: bool) -> None:
+    """Under bf16 autocast each block saves a bfloat16 cast of its two weights, which the engine never moves: the
+    first measuring step counts them for the block it runs in full (the others are checkpointed), and the profile
+    keeps them per block, with whether autocast's cache held them (Lightning's bf16-mixed turns it off). The
+    gradients stay those of a step without the engine."""
+    sim = SimulatedStreams(lag=0)
+    model, x = Stack(sim), torch.randn(BATCH, WIDTH)
+    engine = planned_engine(3 * GiB, FakeMemory(base=GiB, transient=0), model, sim)
+    for _ in range(3):  # two measuring steps, then a planned one
+        model.zero_grad(set_to_none=True)
+        with engine, torch.autocast("cpu", torch.bfloat16, cache_enabled=cache):
+            loss = model(x)
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=cache):
+        loss = model(x)
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+    profile = engine.planner.profile  # type: ignore[union-attr]
+    assert profile is not None
+    # The second measuring step checkpointed every block: its peaks hold no block's casts, and a plan adds them all.
+    assert (profile.cast_bytes, profile.cast_blocks, profile.casts_cached) == (2 * 2 * WIDTH * WIDTH * 2, 0, cache)
+    assert not engine._path.casts.counting  # planned steps count nothing

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_offload import offload_activations
+from lightning_offload import offload_activations, policy
 from lightning_offload.checkpointing import apply_checkpointing, checkpointed_modules
 from lightning_offload.planned_blocks import PlannedBlocks
+from lightning_offload.weight_casts import WeightCasts
 from tests.models import Mix, tiny_llama_config
 
 WIDTH, BATCH = 32, 16
@@ -436,3 +437,51 @@ def test_a_model_that_checkpoints_itself_is_left_to_it_even_when_it_starts_later
     blocks.unwatch()
     assert len(blocks) == 0 and checkpointed_modules(model) == []
     model.gradient_checkpointing = False
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_sizes_count_the_weight_casts_a_block_run_in_full_saves(cache: bool) -> None:
+    """Under bf16 autocast each product saves a bfloat16 cast of its weight: the block run in full saved both of its
+    matrices' casts (2 bytes a weight), each once; the checkpointed blocks saved none (their recompute casts again).
+    Whether autocast's cache was on is noted: with it, every block's casts live until autocast exits."""
+    model = Stack()
+    blocks = PlannedBlocks(model)
+    blocks.checkpoint_all_but_one()
+    casts, params, saved = WeightCasts(), policy.ParameterStorages(model.parameters()), [0]
+    casts.start(counting=True)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        casts.saw(tensor, torch.device("cpu"), params)
+        saved[0] += 0 if policy.is_parameter_like(tensor) else tensor.untyped_storage().nbytes()
+        return tensor
+
+    blocks.watch(lambda: saved[0], lambda: casts.nbytes)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    with (
+        torch.autocast("cpu", torch.bfloat16, cache_enabled=cache),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        loss = model(x)
+    loss.backward()
+    blocks.unwatch()
+    sizes = blocks.sizes()
+    assert sizes.cast_bytes == 2 * 2 * (4 * WIDTH * WIDTH) and casts.nbytes == sizes.cast_bytes
+    assert sizes.casts_cached is cache
+    blocks.remove()
+
+
+def test_weight_casts_count_nothing_unless_counting_and_never_a_weight_itself() -> None:
+    layer = nn.Linear(WIDTH, WIDTH)
+    params, casts = policy.ParameterStorages(layer.parameters()), WeightCasts()
+    with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        cast = layer.weight.to(torch.bfloat16)
+    casts.saw(layer.weight, torch.device("cpu"), params)
+    casts.saw(layer.weight.t(), torch.device("cpu"), params)
+    casts.saw(torch.randn(4, 4), torch.device("cpu"), params)  # an activation
+    assert casts.nbytes == 0
+    casts.saw(cast, torch.device("cpu"), params)
+    casts.saw(cast.t(), torch.device("cpu"), params)  # a view of the same cast: counted once
+    assert casts.nbytes == WIDTH * WIDTH * 2
+    casts.saw(cast, torch.device("meta"), params)  # another device
+    casts.start(counting=False)
+    assert casts.nbytes == 0 and not casts.counting

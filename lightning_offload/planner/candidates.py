@@ -84,11 +84,14 @@ def _candidate(
     (``keep_only``: the one that offloads nothing, fitting or not)."""
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     eligible = eligible_bytes(profile, k, split, light)
-    # What light blocks keep on the device: out of the engine's reach, so offloading never relieves it.
-    kept = light * profile.kept_bytes
+    # What light blocks keep on the device, and the weight casts of the blocks run in full beyond those the measured
+    # step held: out of the engine's reach, so offloading never relieves it.
+    casts = held_casts(profile, k, light)
+    kept = light * profile.kept_bytes + casts
     kept_phases: tuple[int, ...] = ()
     if profile.two_peaks:
-        phases = _phase_peaks(profile, k + light, eligible, split and k > 0, kept)
+        forward_kept = kept - casts if profile.casts_cached else kept
+        phases = _phase_peaks(profile, k + light, eligible, split and k > 0, kept, forward_kept)
         kept_phases = (phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
         kept_peak = max(kept_phases)
     elif k or light:
@@ -97,7 +100,7 @@ def _candidate(
         kept_peak = profile.peak + profile.correction - profile.resident + eligible + kept + rebuilt
     else:
         # Without a rebuilt block, the peak may be the loss's backward, which the profile's peak took for the block.
-        kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible
+        kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible + kept
     recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
     if excess <= 0 or keep_only:
@@ -136,6 +139,14 @@ def _candidate(
         light,
         phases_of(choice),
     )
+
+
+def held_casts(profile: StepProfile, checkpointed: int, light: int) -> int:
+    """The weight casts that the blocks a plan runs in full hold until their backward, beyond those of the blocks
+    the measured step ran in full (its peaks hold those): none for blocks checkpointed, whole or light (their
+    recompute casts again)."""
+    in_full = profile.blocks - checkpointed - light
+    return max(0, in_full - profile.cast_blocks) * profile.cast_bytes
 
 
 def shape(plan: Plan) -> tuple[int, bool, int]:
@@ -200,10 +211,16 @@ class PhasePeaks:
 
 
 def _phase_peaks(
-    profile: StepProfile, checkpointed: int, eligible: int, split: bool = False, kept: int = 0
+    profile: StepProfile,
+    checkpointed: int,
+    eligible: int,
+    split: bool = False,
+    kept: int = 0,
+    forward_kept: int | None = None,
 ) -> PhasePeaks:
     """The step's peaks before any offloading, with ``eligible`` bytes saved, ``checkpointed`` blocks and ``kept``
-    bytes held on the device out of the engine's reach (what light blocks keep; counted whole in every phase):
+    bytes held on the device out of the engine's reach (what light blocks keep, weight casts; counted whole in every
+    phase, but forward's where ``forward_kept`` says otherwise: autocast's cache held the casts there anyway):
 
     * forward's (every activation kept before the head, the loss's forward transient);
     * the head's backward (every kept activation, the loss's transient, nothing fetched ahead, no block rebuilt);
@@ -220,7 +237,8 @@ def _phase_peaks(
     # Activations the measured step held besides the head's, less what planned steps needed beyond the model.
     held = max(0, profile.resident - profile.head_bytes) - profile.correction
     before_head = eligible - profile.head_bytes
-    forward = profile.forward_peak - held + before_head + kept if profile.forward_peak else 0
+    forward_kept = kept if forward_kept is None else forward_kept
+    forward = profile.forward_peak - held + before_head + forward_kept if profile.forward_peak else 0
     head = profile.head_peak - held + before_head + kept
     rebuilt = int(REBUILD_SHARE * profile.block_bytes) if checkpointed else 0
     blocks = (profile.rest_peak or profile.backward_base + rebuilt) - held + eligible + kept

@@ -48,6 +48,7 @@ def measured_profile(
             block_bytes=full_block.block_bytes,
             part_bytes=full_block.part_bytes,
             kept_bytes=full_block.kept_bytes,
+            cast_bytes=full_block.cast_bytes,
         )
     block_bytes, input_bytes = sizes.block_bytes, sizes.input_bytes
     whole_input_bytes = sizes.first_input_bytes if sizes.split else input_bytes
@@ -81,6 +82,9 @@ def measured_profile(
         split_input_bytes=split_input_bytes,
         part_bytes=sizes.part_bytes if sizes.part_bytes < block_bytes else 0,
         kept_bytes=sizes.kept_bytes,
+        cast_bytes=sizes.cast_bytes,
+        cast_blocks=sizes.count - sizes.checkpointed,
+        casts_cached=sizes.casts_cached,
         block_share=min(1.0, obs.blocks_ms / obs.forward_ms) if obs.forward_ms > 0 else 0.0,
         backward_ms=backward_ms,
         link_share=machine.link_share,

@@ -69,6 +69,10 @@ class StepProfile:
             (0: not known, no bound).
         kept_bytes: what a block checkpointed with elementwise recompute keeps on the device besides its input (its
             matrix products' and attention's outputs, out of the engine's reach; 0: not measured, no such plans).
+        cast_bytes: the weight casts a block run in full holds until its backward, out of the engine's reach (see
+            :class:`BlockSizes`); ``cast_blocks`` blocks held theirs in the measured step, so its peaks hold them.
+        casts_cached: autocast's cache held every block's casts through forward, checkpointed or not: only the
+            phases after forward hold a block's casts for running it in full.
         base: allocated bytes as the measured step began (weights, optimizer state, gradients kept): planned steps
             that begin above it hold that much more in every phase.
         fit_error: the most a planned step of this profile needed beyond its plan's prediction without the model
@@ -106,6 +110,9 @@ class StepProfile:
     kept_bytes: int = 0
     base: int = 0
     fit_error: int = 0
+    cast_bytes: int = 0
+    cast_blocks: int = 0
+    casts_cached: bool = False
 
     @property
     def two_peaks(self) -> bool:
@@ -192,6 +199,11 @@ class BlockSizes:
         kept_bytes: what a block checkpointed with elementwise recompute would keep on the device besides its input:
             the outputs of its matrix products and attention, counted over the second block run in full (0: not
             measured, or the block writes into one of them in place, which elementwise recompute refuses).
+        cast_bytes: the weight casts a block run in full saved (autocast's copies of its float32 weights), on
+            average: held on the device out of the engine's reach until the block's backward (0: none, or not
+            measured; :mod:`~lightning_offload.weight_casts`).
+        casts_cached: the forward ran under autocast with its cache of casts on: every block's casts then lived
+            until autocast exited, checkpointed or not.
     """
 
     count: int
@@ -203,6 +215,8 @@ class BlockSizes:
     part_bytes: int = 0
     cut_bytes: int = 0
     kept_bytes: int = 0
+    cast_bytes: int = 0
+    casts_cached: bool = False
 
 
 def eligible_bytes(profile: StepProfile, checkpointed: int, split: bool = False, light: int = 0) -> int:

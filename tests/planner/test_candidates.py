@@ -10,6 +10,7 @@ from lightning_offload.planner.candidates import (
     ELEMENTWISE_SHARE,
     _candidate,
     _phase_peaks,
+    held_casts,
     plan_candidates,
     plan_for_budget,
     split_relief,
@@ -444,3 +445,30 @@ def test_trial_plans_time_the_plans_with_light_blocks_and_those_without_as_two_f
     chosen = trial_plans(profile, [*whole, *light])
     shapes = [(p.checkpoint_blocks, p.light_blocks, p.offload_bytes) for p in chosen]
     assert shapes == [(1, 0, 7 * GiB), (4, 0, 3 * GiB), (0, 12, GiB), (0, 16, 0), (8, 0, 0)]
+
+
+def test_blocks_run_in_full_hold_their_weight_casts_beyond_those_the_measured_step_held() -> None:
+    """A plan's peak holds 200 MiB of weight casts per block it runs in full, less the one block the measured step ran
+    in full (its peak held that block's); blocks checkpointed, whole or light, hold none. Under a budget, offloading
+    cannot relieve them, so the plan offloads more."""
+    casts = 200 * MiB
+    plain, cast = profile(kept_bytes=384 * MiB), profile(kept_bytes=384 * MiB, cast_bytes=casts, cast_blocks=1)
+    for k, light in ((0, 0), (3, 0), (3, 4), (9, 0), (10, 0), (0, 10)):
+        held = max(0, 10 - k - light - 1) * casts
+        assert held_casts(cast, k, light) == held
+        with_casts, without = _candidate(cast, 100 * GiB, k, light=light), _candidate(plain, 100 * GiB, k, light=light)
+        assert with_casts.peak - without.peak == held
+    tight, loose = _candidate(cast, 25 * GiB, 2), _candidate(plain, 25 * GiB, 2)
+    assert tight.fits and loose.fits and tight.offload_bytes > loose.offload_bytes
+
+
+def test_autocasts_cache_held_every_cast_through_forward_so_only_later_phases_hold_them_for_blocks_in_full() -> None:
+    """With autocast's cache on, the measured forward held every block's casts already: forward's phase is unchanged,
+    the head's backward and the blocks' backward hold the casts of the blocks a plan runs in full."""
+    two = dict(forward_peak=29 * GiB, head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=27 * GiB)
+    base = profile(**two)
+    for cached in (False, True):
+        cast = profile(**two, cast_bytes=200 * MiB, cast_blocks=1, casts_cached=cached)
+        phases = zip(_candidate(cast, 100 * GiB, 0).phases, _candidate(base, 100 * GiB, 0).phases, strict=True)
+        extra = [a - b for a, b in phases]
+        assert extra == [0 if cached else 9 * 200 * MiB, 9 * 200 * MiB, 9 * 200 * MiB, 0]
