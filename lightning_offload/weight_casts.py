@@ -5,8 +5,8 @@ cache on (``torch.autocast``'s default), one cast per weight lives until autocas
 With it off (Lightning's ``precision="bf16-mixed"`` turns it off), every call casts afresh: a block run in full holds
 its casts until its backward, while a checkpointed block drops them and casts again in its recompute. A cast is a
 parameter in disguise to the engine (moving it would copy the weight back and forth every step), so the saved bytes
-the planner counts leave it out; on an H200, a Llama of width 3072 under Lightning's bf16-mixed held 0.19 GiB of
-casts per block run in full, none of it in the plans' predictions.
+the planner counts leave it out: a Llama block of width 3072 (101M weights) holds 0.19 GiB of casts when run in full
+under Lightning's bf16-mixed, and a plan that ran 8 such blocks in full went unpredicted by that much per block.
 
 Torch only: no Lightning import.
 """
