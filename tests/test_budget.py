@@ -847,8 +847,8 @@ def test_a_kept_plan_empties_the_cache_once_where_its_first_step_found_it_holdin
     # or timed against others)
     begin = planner.begin_step
 
-    def recording_begin(position: Any) -> Any:
-        plan = begin(position)
+    def recording_begin(position: Any, casts: Any = None) -> Any:
+        plan = begin(position, casts)
         ran.append((plan.checkpoint_blocks, plan.offload_bytes) if plan is not None and not planner.trying else None)
         return plan
 
