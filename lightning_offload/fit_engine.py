@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import lightning.pytorch as pl
 import torch
@@ -95,10 +96,19 @@ def say_if_floor_over(engine: OffloadEngine | None, trainer: pl.Trainer, pl_modu
         Whether it was said.
     """
     budget = engine.options.budget_bytes() if engine is not None and engine.options.plans else None
-    device = engine.device if engine is not None else None
-    if budget is None or device is None or device.type != "cuda":
+    device = pl_module.device  # (the engine meets its device at its first step, after this)
+    if budget is None or device.type != "cuda":
         return False
-    floor = resting_floor(torch.cuda.memory_allocated(device), device, trainer.optimizers, pl_module.parameters())
+    allocated = torch.cuda.memory_allocated(device)
+    return say_floor_over(budget, allocated, device, trainer.optimizers, pl_module.parameters())
+
+
+def say_floor_over(
+    budget: int, allocated: int, device: torch.device, optimizers: Iterable[torch.optim.Optimizer], params: Iterable
+) -> bool:
+    """Say, and return whether, the floor of ``allocated`` bytes and the gradients and optimizers' state to come on
+    ``device`` (:func:`~lightning_offload.resting_floor.resting_floor`) passes ``budget``."""
+    floor = resting_floor(allocated, device, optimizers, params)
     if floor.total <= budget:
         return False
     text = words.resting_floor_over(budget, floor.allocated, floor.gradients, floor.state, floor.optimizers)

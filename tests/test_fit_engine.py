@@ -19,6 +19,7 @@ from lightning_offload.fit_engine import (
     engine_for_fit,
     install_for_batch,
     leaves_after_backward,
+    say_floor_over,
 )
 from lightning_offload.options import OffloadOptions
 
@@ -120,3 +121,21 @@ def test_a_failure_inside_a_batch_is_the_engines_to_explain_and_one_outside_is_o
     end_on_exception(inside, error, in_batch=True)  # type: ignore[arg-type]
     end_on_exception(outside, error, in_batch=False)  # type: ignore[arg-type]
     assert inside.calls == [("failed", (error,))] and outside.calls == [("reset", ())]
+
+
+def test_a_floor_over_the_budget_is_said_once_with_its_parts_and_nothing_below_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """AdamW over a 544-weight layer (float32): weights allocated, their gradients and both moments to come are
+    4 x 2176 bytes; a budget below that is said (the logger's WARNING), one at it is not."""
+    layer = nn.Linear(16, 32)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    weights = 544 * 4
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="lightning_offload"):
+        assert not say_floor_over(4 * weights, weights, cpu, [optimizer], layer.parameters())
+        assert not caplog.records
+        assert say_floor_over(4 * weights - 1, weights, cpu, [optimizer], layer.parameters())
+    [record] = caplog.records
+    assert record.getMessage().startswith("ActivationOffloadCallback: memory_budget=0.00 GiB: before any activation")
+    assert "of AdamW's state to come" in record.getMessage()

@@ -195,7 +195,7 @@ def test_a_second_fit_runs_the_first_fits_plans_without_measuring(tmp_path: Path
     class Kinds(pl.Callback):
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             assert callback.engine is not None and callback.engine.planner is not None
-            kinds.append([r.kind for r in callback.engine.planner.records])
+            kinds.append([r.kind for r in callback.engine.planner.observations])
 
     torch.manual_seed(0)
     data = torch.randint(0, 4096, (8, 4, 1024))
