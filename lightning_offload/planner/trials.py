@@ -140,11 +140,15 @@ class PlanTrials:
         """The plan for the next step while trials run, and the words to report it with.
 
         Which plans are compared is settled as the trials begin (what a faster step teaches about time must not swap
-        them midway); a correction towards ``memory`` settles it anew. Returns the next plan to time; once every plan
-        was, the fastest and the trials' outcome (``None`` and no words where nothing was timed: the caller's plan).
+        them midway); a correction towards ``memory`` settles it anew, and starts trials again where the earlier ones
+        timed nothing (they had one plan to offer, keeping everything, say: the plans that fit the corrected model are
+        not that one). Returns the next plan to time; once every plan was, the fastest and the trials' outcome (``None``
+        and no words where nothing was timed: the caller's plan).
         """
         if self.done:
-            return None, ""
+            if not (memory and not self.timed and self._rounds < _TRIAL_ROUNDS):
+                return None, ""
+            self.done, self._compared = False, None
         if memory or self._compared is None:
             self._rounds += self._compared is None
             self._compared = trial_plans(profile, candidates)

@@ -163,3 +163,24 @@ def test_the_gpu_zoo_traces_measure_each_input_at_most_twice_and_count_weight_ca
     fabric = _observed_blocks("24-llama-h768x23-mha-v256-b4x1024-bf16-mixed-adamw-fabric")[0]
     assert fabric["casts_cached"] and fabric["cast_bytes"] > 0
     assert _observed_blocks("00-llama-h1024x16-gqa-v32000-b1x8192-bf16-adamw-callback")[0]["cast_bytes"] == 0
+
+
+def test_a_replan_after_trials_that_timed_nothing_times_the_plans_that_fit_now() -> None:
+    """Zoo row 04 on an H100 (a ViT of 25 blocks, ``offload_activations``): after measuring, keeping everything fitted,
+    so nothing was timed. The optimizer's state then grew the base, and the planner chose anew, untimed, plans with
+    light blocks and copies (15 light blocks and 1.7 GiB at the end), which ran at 1.78x checkpointing every block.
+    Told the same steps, the planner now times the plans that fit after the growth, a whole-block plan that moves
+    nothing among them. (The trace is kept apart: past this step the planner answers otherwise than it recorded.)"""
+    trace = json.loads(
+        (TRACES.parent / "changed" / "h100-zoo-04-vit-h1536x25-mha-v10-b1x4096-bf16-adamw-context.json").read_text()
+    )
+    recorded = recorded_answers(trace)
+    begins = [i for i, event in enumerate(trace["events"]) if event[0] == "begin"]
+    assert [a["phase"] for a in recorded[:5]] == ["measuring", "measuring", "planned", "planned", "planned"]
+    assert recorded[4]["plan"]["light_blocks"] and recorded[4]["plan"]["offload_bytes"] > 0
+    planner, answers = replay({**trace, "events": trace["events"][: begins[4] + 1]})
+    assert answers[:4] == recorded[:4]
+    assert answers[4]["phase"] == "trying"
+    compared = planner.rec.trials._compared
+    assert compared is not None and len(compared) >= 2
+    assert any(not p.light_blocks and not p.offload_bytes and p.checkpoint_blocks for p in compared)
