@@ -175,7 +175,7 @@ class PlannedBlocks:
         times.clear()
         part_marks.clear()
         cast_marks.clear()
-        self._casts_cached = False
+        self._casts_cached = False  # (read as the first block begins, under the forward's autocast)
 
         def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             first = _first_input(args, kwargs)
@@ -183,8 +183,7 @@ class PlannedBlocks:
             if clock is not None and not marks:
                 times.append(clock.mark())
             if not marks and first is not None:
-                on = torch.is_autocast_enabled(first.device.type)
-                self._casts_cached = on and torch.is_autocast_cache_enabled()
+                self._casts_cached = torch.is_autocast_enabled(first.device.type) and torch.is_autocast_cache_enabled()
             marks.setdefault(id(module), (position(), 0, nbytes))
             cast_marks.setdefault(id(module), (cast_bytes(), 0))
 
@@ -247,14 +246,12 @@ class PlannedBlocks:
         cut = set(self.checkpointed)
         full = {key: m for key, m in self._marks.items() if names.get(key) not in cut and m[1] > m[0]}
         # The first block is not a typical one (see checkpoint_all_but_one): left out of the average where others ran.
-        typical = [m for key, m in full.items() if key != id(self.blocks[0][1])] or list(full.values())
+        keys = [key for key in full if key != id(self.blocks[0][1])] or list(full)
+        typical = [full[key] for key in keys]
         cut_marks = [m for key, m in self._marks.items() if names.get(key) in cut]
         block_bytes = sum(m[1] - m[0] for m in typical) // len(typical) if typical else 0
-        # The weight casts a block run in full holds (the same keys as ``typical``: blocks that ran in full).
-        full_casts = [self._cast_marks.get(key, (0, 0)) for key in full if key != id(self.blocks[0][1])] or [
-            self._cast_marks.get(key, (0, 0)) for key in full
-        ]
-        cast_bytes = sum(max(0, e - s) for s, e in full_casts) // len(full_casts) if full_casts else 0
+        casts = [self._cast_marks.get(key, (0, 0)) for key in keys]  # the weight casts of the same blocks run in full
+        cast_bytes = sum(max(0, end - start) for start, end in casts) // len(casts) if casts else 0
         input_bytes = sum(m[2] for m in typical) // len(typical) if typical else 0
         first_input_bytes = input_bytes
         if cut_marks:
