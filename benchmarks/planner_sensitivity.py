@@ -1,0 +1,144 @@
+"""``python -m benchmarks.planner_sensitivity``: which planner constants change what it decides on recorded runs?
+
+Every trace under ``tests/data/traces/`` (steps of real runs: the model zoo on a GPU, and the CPU scenarios) is told
+again to a fresh planner with one constant of ``lightning_offload/planner/`` halved, then doubled (an integer is
+rounded, and kept at 1 or more). A trace counts as changed where any directive differs from the one it recorded. A
+constant that changes no trace either way is one that no recorded run distinguishes: what it guards has not acted in
+them (or acts only past what halving and doubling reach).
+
+A replay tells a trace's observations again: it shows what the planner would have decided, not what the step would
+then have done (a different watermark would have measured other peaks). Where a constant acts only through what the
+datapath then does, or only in a situation no trace holds (a budget of ``"auto"``, many inputs), it reads 0 here.
+
+A constant is patched wherever a planner module holds it by that name. A default argument or a value derived from it
+when its module was imported (``KEEPING_MARGIN_SHARE`` from ``PLAN_MARGIN_SHARE``) keeps its old value: each is a
+constant of its own here.
+
+    python -m benchmarks.planner_sensitivity                  # the table, to standard output
+    python -m benchmarks.planner_sensitivity --out table.md   # and to a file
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import pkgutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT / "tests" / "data" / "traces"
+# Not tuning: formats, bounds of what is recorded, identities.
+SKIPPED = {"PLANS_VERSION", "TRACE_VERSION", "TRACED_EVENTS", "NO_INPUT"}
+FACTORS = (0.5, 2.0)
+
+
+def planner_modules() -> list[ModuleType]:
+    import lightning_offload.planner as package
+
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def constants(modules: list[ModuleType]) -> dict[str, tuple[ModuleType, float]]:
+    """Numeric module-level constants (upper-case names, leading underscore or not), by name, with the module that
+    defines them (the first that holds the name)."""
+    found: dict[str, tuple[ModuleType, float]] = {}
+    for module in modules:
+        for name, value in vars(module).items():
+            bare = name.lstrip("_")
+            if not bare or not bare[0].isalpha() or bare.upper() != bare or name in SKIPPED:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            found.setdefault(name, (module, value))
+    return found
+
+
+@contextlib.contextmanager
+def patched(modules: list[ModuleType], name: str, value: float) -> Iterator[None]:
+    """``name`` set to ``value`` in every planner module that holds it, for the duration."""
+    old = {m: vars(m)[name] for m in modules if name in vars(m)}
+    try:
+        for module in old:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, previous in old.items():
+            setattr(module, name, previous)
+
+
+def changed_traces(traces: dict[str, dict[str, Any]]) -> list[str]:
+    """The traces whose replay answers otherwise than they recorded (or raises)."""
+    from lightning_offload.planner.trace import recorded_answers, replay
+
+    changed = []
+    for name, trace in traces.items():
+        try:
+            _, answers = replay(trace)
+        except Exception:  # a patched constant may break an invariant: that is a change too
+            changed.append(name)
+            continue
+        if answers != recorded_answers(trace):
+            changed.append(name)
+    return changed
+
+
+def short_name(trace: str) -> str:
+    """A zoo trace by its row (``04``, ``after-04``), any other by its name."""
+    for prefix in ("h100-zoo-after-", "h100-zoo-"):
+        if trace.startswith(prefix):
+            return ("after-" if "after" in prefix else "") + trace.removeprefix(prefix)[:2]
+    return trace
+
+
+def scaled(value: float, factor: float) -> float:
+    return max(1, round(value * factor)) if isinstance(value, int) else value * factor
+
+
+def main(argv: list[str] | None = None) -> int:
+    description = __doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_sensitivity", description=description)
+    parser.add_argument("--traces", type=Path, default=TRACES)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    traces = {p.stem: json.loads(p.read_text()) for p in sorted(args.traces.glob("*.json"))}
+    if not traces:
+        print(f"no traces under {args.traces}", file=sys.stderr)
+        return 1
+    baseline = changed_traces(traces)
+    if baseline:
+        print(f"traces that do not replay as recorded even unpatched: {baseline}", file=sys.stderr)
+        return 1
+    modules = planner_modules()
+    lines = [
+        f"# The planner's constants against {len(traces)} recorded traces",
+        "",
+        "Traces changed (any directive differs) with the constant halved / doubled.",
+        "",
+        "| constant | module | value | halved | doubled | traces changed (either way) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, (module, value) in sorted(constants(modules).items()):
+        counts, names = [], set()
+        for factor in FACTORS:
+            with patched(modules, name, scaled(value, factor)):
+                changed = changed_traces(traces)
+            counts.append(len(changed))
+            names.update(changed)
+        shown = ", ".join(sorted(short_name(n) for n in names))
+        short = module.__name__.rsplit(".", 1)[-1]
+        lines.append(f"| `{name}` | {short} | {value:g} | {counts[0]} | {counts[1]} | {shown or '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
