@@ -491,7 +491,7 @@ def run_context(
         options: dict[str, Any] = {"memory_budget": budget}
         if device.type != "cuda":
             options = {"compute_device": "cpu", "memory_budget": None}
-        off = offload_activations(model=model, **options)
+        off = offload_activations(model=model, optimizer=optimizer, **options)
     sync = _sync(device)
     phase = _Phase(device, track_peak=arm == "none")
     with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
@@ -552,7 +552,7 @@ def run_fabric(
         options: dict[str, Any] = {"memory_budget": budget}
         if device.type != "cuda":
             options = {"compute_device": "cpu", "memory_budget": None}
-        off = fabric_offload(fabric, model, **options)
+        off = fabric_offload(fabric, model, optimizer, **options)
     sync = _sync(device)
     phase = _Phase(device, track_peak=arm == "none")
     with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):

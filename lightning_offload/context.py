@@ -11,6 +11,7 @@ import torch
 
 from lightning_offload.engine import IdleEngine, OffloadEngine
 from lightning_offload.options import OffloadOptions, no_cuda_message, warn_unused_budget
+from lightning_offload.resting_floor import checked_optimizer
 
 
 def offload_activations(
@@ -30,6 +31,7 @@ def offload_activations(
     checkpoint: Any = None,
     recompute: str = "all",
     local_processes: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> OffloadEngine:
     """Offload the activations autograd saves inside the ``with`` block to host memory.
 
@@ -59,6 +61,8 @@ def offload_activations(
             :func:`~lightning_offload.apply_checkpointing`). Needs ``checkpoint``.
         local_processes: processes on this machine sharing its RAM (each has its own pool); the default
             ``host_memory_limit`` is split between them. ``None``: ``LOCAL_WORLD_SIZE``, else 1.
+        optimizer: the loop's optimizer: under a ``memory_budget``, a warning comes before the first step where the
+            weights, their gradients and its state to come already pass the budget (no plan can fit then).
 
     Returns:
         An :class:`OffloadEngine`: a reusable context manager whose ``stats`` describe its latest block. Without CUDA
@@ -67,6 +71,7 @@ def offload_activations(
     values = dict(locals())
     model, checkpoint, local_processes = values.pop("model"), values.pop("checkpoint"), values.pop("local_processes")
     recompute = values.pop("recompute")
+    optimizers = checked_optimizer(values.pop("optimizer"), "offload_activations")
     options = OffloadOptions.create("offload_activations", **values)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"offload_activations(model={type(model).__name__}): model must be a torch.nn.Module or None")
@@ -97,4 +102,4 @@ def offload_activations(
     if checkpoint is not None:
         blocks = WrappedBlocks(model, names, recompute)  # type: ignore[arg-type]
         options = dataclasses.replace(options, memory_budget=None)  # checkpointing by hand: the user decides
-    return OffloadEngine(options, model=model, local_processes=local_processes, blocks=blocks)
+    return OffloadEngine(options, model=model, local_processes=local_processes, blocks=blocks, optimizers=optimizers)

@@ -24,7 +24,7 @@ import logging
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -64,11 +64,11 @@ class OffloadEngine:
         local_processes: processes on this machine, each with its own pool: the default host limit is split between
             them. ``None``: read ``LOCAL_WORLD_SIZE`` (torchrun sets it; Lightning's launchers pass the count).
         streams: the stream backend for ``mode="streamed"``; ``None``: CUDA streams on CUDA, simulated on the CPU.
-        memory: the device's allocator counters for the memory-budget planner, or, without one, for emptying the
-            cache after the first two optimizer steps (:class:`~lightning_offload.device_memory.SettledCache`);
-            ``None``: CUDA's (without CUDA and without this, neither). Tests pass a fake.
+        memory: the allocator counters the planner reads, or without it :class:`~.device_memory.SettledCache` (the
+            cache emptied after the first two optimizer steps); ``None``: CUDA's, or none off CUDA. Tests pass a fake.
         blocks: the blocks the call that made this engine checkpointed (``checkpoint=``): :meth:`close` takes their
             wrappers off, and installing again puts them back.
+        optimizers: under a budget, their state to come counts in the floor said before the first step.
     """
 
     def __init__(
@@ -79,17 +79,16 @@ class OffloadEngine:
         streams: StreamBackend | None = None,
         memory: Any = None,
         blocks: WrappedBlocks | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
-        self.options = options
-        self._blocks = blocks
+        self.options, self._blocks = options, blocks
+        self._optimizers = [weakref.ref(optimizer) for optimizer in optimizers]  # (not kept alive by the engine)
         self.local_processes = local_processes
         self._model_ref = weakref.ref(model) if model is not None else None
         self._path = Datapath(options)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        # Between install and uninstall, also where a plan keeps everything and no hooks are installed.
-        self._active = False
-        self._streams = streams
-        self._memory = memory
+        self._active = False  # between install and uninstall, also where a plan keeps everything (no hooks then)
+        self._streams, self._memory = streams, memory
         # Created with the device (at the first install: the engine must pickle before first use), when options plan.
         self.planner: BudgetPlanner | None = None
         self._carried_plans: dict[str, Any] | None = None  # an earlier fit's plans, given to the planner as it is made
@@ -222,7 +221,8 @@ class OffloadEngine:
         device = self.options.resolved_device() or _no_device()
         path = self._path
         path.connect(self.options, device, self._streams, self.host_limit)
-        self.planner = planner_for(self.options, device, path.transfer, model, self._memory)
+        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]  # (said before the first step)
+        self.planner = planner_for(self.options, device, path.transfer, model, self._memory, optimizers)
         path.use_planner(self.planner)
         if self.planner is not None and self._carried_plans is not None:
             take_carried(self.planner.core, self._fingerprint(), self._carried_plans)

@@ -32,11 +32,14 @@ import torch
 
 from lightning_offload.engine import IdleEngine, OffloadEngine
 from lightning_offload.options import OffloadOptions, no_cuda_message, warn_unused_budget
+from lightning_offload.resting_floor import checked_optimizer
 
 __all__ = ["fabric_offload"]
 
 
-def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options: Any) -> OffloadEngine:
+def fabric_offload(
+    fabric: Any, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **options: Any
+) -> OffloadEngine:
     """An offloading engine for the process ``fabric`` runs: enter it around each forward of the training loop.
 
     Call it after ``fabric.launch()`` (each process builds its own engine, with its own pinned pool).
@@ -45,6 +48,9 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         fabric: a launched ``lightning.fabric.Fabric``.
         model: the model (as ``fabric.setup`` returned it, or the plain module): its parameters and buffers are
             never offloaded, and ``checkpoint=`` applies to its blocks.
+        optimizer: the loop's optimizer (as ``fabric.setup`` returned it, or the plain one): under a
+            ``memory_budget``, a warning comes before the first step where the weights, their gradients and its state
+            to come already pass the budget.
         **options: the options of :func:`lightning_offload.offload_activations` (``mode``, ``max_offload_bytes``,
             ``checkpoint``, ``recompute``, ...). ``compute_device`` defaults to Fabric's device when it is CUDA (and
             may name no other then); on any other device nothing is offloaded (a warning says so, once) unless
@@ -70,6 +76,8 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         )
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"fabric_offload(model={type(model).__name__}): model must be a torch.nn.Module or None")
+    # Fabric wraps the optimizer; its state and parameter groups are the wrapped one's.
+    optimizers = checked_optimizer(getattr(optimizer, "optimizer", optimizer), "fabric_offload")
     if "local_processes" in options:
         raise ValueError(
             f"fabric_offload(local_processes={options['local_processes']!r}): the process count comes from "
@@ -115,7 +123,9 @@ def fabric_offload(fabric: Any, model: torch.nn.Module | None = None, **options:
         engine_options = dataclasses.replace(engine_options, memory_budget=None)
     # Selected (and the options checked) above: nothing left to fail once the blocks are wrapped.
     blocks = WrappedBlocks(module, names, recompute) if names else None
-    return OffloadEngine(engine_options, model=model, local_processes=local_processes(fabric), blocks=blocks)
+    return OffloadEngine(
+        engine_options, model=model, local_processes=local_processes(fabric), blocks=blocks, optimizers=optimizers
+    )
 
 
 def local_processes(fabric: Any) -> int:

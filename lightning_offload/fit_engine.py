@@ -15,9 +15,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_offload.engine import OffloadEngine
 from lightning_offload.options import OffloadOptions, no_cuda_message
 from lightning_offload.planned_blocks import compiled_modules
-from lightning_offload.planner import words
 from lightning_offload.reporting import StepReporter
-from lightning_offload.resting_floor import resting_floor
+from lightning_offload.resting_floor import floor_over
 
 _log = logging.getLogger("lightning_offload")
 
@@ -107,13 +106,11 @@ def say_floor_over(
     budget: int, allocated: int, device: torch.device, optimizers: Iterable[torch.optim.Optimizer], params: Iterable
 ) -> bool:
     """Say, and return whether, the floor of ``allocated`` bytes and the gradients and optimizers' state to come on
-    ``device`` (:func:`~lightning_offload.resting_floor.resting_floor`) passes ``budget``."""
-    floor = resting_floor(allocated, device, optimizers, params)
-    if floor.total <= budget:
-        return False
-    text = words.resting_floor_over(budget, floor.allocated, floor.gradients, floor.state, floor.optimizers)
-    _log.warning(f"ActivationOffloadCallback: {text}")
-    return True
+    ``device`` (:func:`~lightning_offload.resting_floor.floor_over`) passes ``budget``."""
+    text = floor_over(budget, allocated, device, optimizers, params)
+    if text is not None:
+        _log.warning(f"ActivationOffloadCallback: {text}")
+    return text is not None
 
 
 def install_for_batch(engine: OffloadEngine, reporter: StepReporter, trainer: pl.Trainer) -> None:

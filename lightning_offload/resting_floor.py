@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_offload.planner import words
+
 
 @dataclass(frozen=True)
 class RestingFloor:
@@ -82,3 +84,24 @@ def resting_floor(
         if to_come(param) and param.grad is None:
             gradients += param.numel() * param.element_size()
     return RestingFloor(allocated, gradients, state, tuple(dict.fromkeys(kinds)))
+
+
+def floor_over(
+    budget: int, allocated: int, device: torch.device, optimizers: Iterable[torch.optim.Optimizer], params: Iterable
+) -> str | None:
+    """What to say where the floor (:func:`resting_floor`) passes ``budget``; ``None`` where it does not."""
+    floor = resting_floor(allocated, device, optimizers, params)
+    if floor.total <= budget:
+        return None
+    return words.resting_floor_over(budget, floor.allocated, floor.gradients, floor.state, floor.optimizers)
+
+
+def checked_optimizer(optimizer: object, call: str) -> tuple[torch.optim.Optimizer, ...]:
+    """``optimizer=`` of ``call`` as a tuple (empty for ``None``), or a ``TypeError`` quoting the call."""
+    if optimizer is None:
+        return ()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{call}(optimizer={type(optimizer).__name__}): optimizer must be a torch.optim.Optimizer or None"
+        )
+    return (optimizer,)

@@ -4,8 +4,9 @@ the transfer through their own ``configure`` calls (:func:`plan_step`). Torch on
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,22 +17,37 @@ from lightning_offload.device_memory import DeviceMemory, SettledCache
 from lightning_offload.options import DEFAULT_MAX_INFLIGHT_BYTES, OffloadOptions, size_in_bytes
 from lightning_offload.planner.profile import frugal_cap
 from lightning_offload.planner.steps import CopyLimits
+from lightning_offload.resting_floor import floor_over
 from lightning_offload.transfer import StreamedTransfer
 
 if TYPE_CHECKING:
     from lightning_offload.datapath import Datapath
 
+_log = logging.getLogger("lightning_offload")
+
 
 def planner_for(
-    options: OffloadOptions, device: torch.device, transfer: Any, model: nn.Module | None, memory: Any = None
+    options: OffloadOptions,
+    device: torch.device,
+    transfer: Any,
+    model: nn.Module | None,
+    memory: Any = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> BudgetPlanner | None:
     """The planner an engine with these options needs, or ``None`` (no budget, a manual override, no streams, or no
-    allocator counters: ``memory`` or CUDA's). This is the one place that decides whether steps are planned."""
+    allocator counters: ``memory`` or CUDA's). This is the one place that decides whether steps are planned. Where
+    ``optimizers`` are given, it says before the first step whether the weights, their gradients and the optimizers'
+    state to come pass the budget (:func:`~lightning_offload.resting_floor.floor_over`)."""
     if memory is None and device.type == "cuda":
         memory = DeviceMemory(device)
     if not options.plans or memory is None or not isinstance(transfer, StreamedTransfer):
         return None
-    return BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
+    planner = BudgetPlanner(options.budget_bytes(), memory, model, clock=transfer, trials=options.plan_trials)
+    params = model.parameters() if model is not None else ()
+    text = floor_over(planner.budget, memory.allocated(), device, optimizers, params) if optimizers else None
+    if text is not None:
+        _log.warning(text)
+    return planner
 
 
 def settling_for(options: OffloadOptions, device: torch.device, memory: Any, budget: int | None) -> SettledCache | None:

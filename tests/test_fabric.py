@@ -215,6 +215,7 @@ def test_checkpoint_by_hand_switches_the_planner_off_as_in_offload_activations()
         ({"prefetch": 1}, TypeError, "fabric_offload() got unexpected argument(s) ['prefetch']; allowed:"),
         ({"checkpoint": "Nope"}, ValueError, "fabric_offload(checkpoint='Nope'): 'Nope' matches no module"),
         ({"checkpoint": 3}, ValueError, "fabric_offload(checkpoint=3): checkpoint must be"),
+        ({"optimizer": "adam"}, TypeError, "fabric_offload(optimizer=str): optimizer must be a torch.optim.Optimizer"),
     ],
 )
 def test_fabric_offload_errors_quote_fabric_offload_and_wrap_nothing(

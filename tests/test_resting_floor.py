@@ -9,6 +9,7 @@ from lightning_offload.planner import words
 from lightning_offload.resting_floor import resting_floor, state_per_weight
 
 CPU = torch.device("cpu")
+GIB, MIB = 1 << 30, 1 << 20
 
 
 def _model() -> torch.nn.Module:
@@ -65,3 +66,38 @@ def test_the_message_says_what_the_floor_holds_and_what_to_do() -> None:
     assert "4.00 GiB of gradients and 8.00 GiB of AdamW's state to come" in text
     assert "No plan can keep the step within the budget" in text
     assert "8.00 GiB of gradients to come" in words.resting_floor_over(gib, 0, 8 * gib, 0, ())
+
+
+def test_a_wrong_optimizer_is_refused_naming_the_call_and_the_argument() -> None:
+    from lightning_offload import offload_activations
+
+    with pytest.raises(TypeError, match=r"^offload_activations\(optimizer=list\): optimizer must be a torch\.optim"):
+        offload_activations(compute_device="cpu", optimizer=[])
+
+
+def test_an_engine_given_its_optimizer_says_before_the_first_step_that_the_floor_passes_the_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On the CPU's counters (a fake allocator holding 1 GiB of weights): with AdamW over a model of 1 MiB of weights
+    the floor is the 1 GiB plus 3 MiB to come, said as the engine first installs under a budget below that, and not
+    under one above it. Without the optimizer nothing is said."""
+    from lightning_offload.engine import OffloadEngine
+    from lightning_offload.options import OffloadOptions
+    from lightning_offload.streams import SimulatedStreams
+    from tests.test_budget import FakeMemory
+
+    model = torch.nn.Linear(512, 512, bias=False)  # 1 MiB of float32 weights
+    said = []
+    for budget, optimizer in ((GIB + 2 * MIB, True), (GIB + 4 * MIB, True), (GIB + 2 * MIB, False)):
+        options = OffloadOptions.create("test", memory_budget=budget, compute_device="cpu", min_tensor_bytes=0)
+        memory = FakeMemory(base=GIB, transient=0)
+        optimizers = [torch.optim.AdamW(model.parameters())] if optimizer else []
+        engine = OffloadEngine(options, model=model, streams=SimulatedStreams(), memory=memory, optimizers=optimizers)
+        memory.engine = engine
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lightning_offload"), engine:
+            model(torch.randn(4, 512)).sum().backward()
+        said.append([r.getMessage() for r in caplog.records if "before any activation" in r.getMessage()])
+        engine.close()
+    assert [len(s) for s in said] == [1, 0, 0]
+    assert "1.00 GiB allocated now (the weights), 0.00 GiB of gradients and 0.00 GiB of AdamW's state" in said[0][0]
