@@ -222,7 +222,7 @@ class OffloadEngine:
         path = self._path
         path.connect(self.options, device, self._streams, self.host_limit)
         optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]  # (said before the first step)
-        self.planner = planner_for(self.options, device, path.transfer, model, self._memory, optimizers)
+        self.planner = planner_for(self.options, device, path.transfer, model, self._memory, optimizers=optimizers)
         path.use_planner(self.planner)
         if self.planner is not None and self._carried_plans is not None:
             take_carried(self.planner.core, self._fingerprint(), self._carried_plans)

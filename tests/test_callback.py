@@ -795,7 +795,7 @@ def test_plan_keys_are_logged_only_for_batches_that_ran_the_plan(
     previous shape's plan would name a batch that did not run it)."""
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None, **_: Any) -> Any:
         return planner_for(options, device, transfer, model, ConstantMemory())
 
     monkeypatch.setattr(engine_module, "planner_for", with_memory)
@@ -839,7 +839,7 @@ def test_out_of_memory_is_explained_under_a_budget_only_when_a_training_batch_ra
     training batch (validation here) used none of that plan, and an explanation would blame the wrong step."""
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None, **_: Any) -> Any:
         return planner_for(options, device, transfer, model, ConstantMemory())
 
     monkeypatch.setattr(engine_module, "planner_for", with_memory)
@@ -896,7 +896,7 @@ def plan_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the memory-budget planner on the CPU, on ``ConstantMemory``."""
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None, **_: Any) -> Any:
         return planner_for(options, device, transfer, model, ConstantMemory())
 
     monkeypatch.setattr(engine_module, "planner_for", with_memory)
@@ -1364,7 +1364,7 @@ def test_the_memory_pictures_comparison_batch_is_not_measured_as_the_planners_st
     memory = PeakMemory()
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None, **__: Any) -> Any:
         return planner_for(options, device, transfer, model, memory)
 
     monkeypatch.setattr(engine_module, "planner_for", with_memory)
@@ -1421,7 +1421,7 @@ def planner_for_counters(memory: Any) -> Callable[..., Any]:
     callback leaves the planner resetting the peak every step)."""
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, _: Any = None, **__: Any) -> Any:
         planner = planner_for(options, device, transfer, model, memory)
         if planner is not None:  # (the counters' own engine, which counts a step's bytes, plans nothing)
             planner.on_plan = lambda text: None
@@ -1564,7 +1564,7 @@ def test_under_gradient_accumulation_each_inputs_plan_learns_from_its_own_batche
     monkeypatch.setattr(reporting, "peak_device", lambda device: CPU)
     planner_for = engine_module.planner_for
 
-    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None) -> Any:
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None, **_: Any) -> Any:
         return planner_for(options, device, transfer, model, peaks)
 
     monkeypatch.setattr(engine_module, "planner_for", with_memory)
