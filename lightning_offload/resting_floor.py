@@ -61,14 +61,17 @@ def resting_floor(
     kinds: list[str] = []
 
     def to_come(param: object) -> bool:
-        return (
+        """Whether ``param`` is a trainable weight on ``device`` not counted yet (it is counted from now on)."""
+        counts = (
             isinstance(param, torch.Tensor)
             and param.requires_grad
             and param.device.type == device.type
             and (device.index is None or param.device.index == device.index)
             and id(param) not in seen
-            and not seen.add(id(param))  # type: ignore[func-returns-value]
         )
+        if counts:
+            seen.add(id(param))
+        return counts
 
     for optimizer in optimizers:
         kinds.append(type(optimizer).__name__)
