@@ -54,11 +54,12 @@ def default_budget(total: int) -> int:
     return total - min(max(_MIN_MARGIN, int(total * _MARGIN_SHARE)), total // 2)
 
 
-def fit_margin(budget: int, base: int, fit_error: int) -> int:
+def fit_margin(budget: int, base: int, fit_error: int, pressed_error: int = 0) -> int:
     """How far below ``budget`` every plan's predicted peak stays: ``FIT_ROOM_SHARE`` of the room above the step's
-    ``base`` (a prior, in force from the first planned step on) and ``FIT_ERROR_FACTOR`` x the largest ``fit_error``
-    the input's planned steps showed."""
-    return max(int(FIT_ROOM_SHARE * max(0, budget - base)), int(FIT_ERROR_FACTOR * fit_error))
+    ``base`` (a prior, in force from the first planned step on), ``FIT_ERROR_FACTOR`` x the largest ``fit_error``
+    the input's planned steps showed, and the largest ``pressed_error`` (reserved past the prediction under a pressed
+    hard cap: a step that ran proved it enough, so a plan that ran keeps fitting)."""
+    return max(int(FIT_ROOM_SHARE * max(0, budget - base)), int(FIT_ERROR_FACTOR * fit_error), pressed_error)
 
 
 def plan_aim(budget: int, margin: int, reserved_gap: int) -> int:

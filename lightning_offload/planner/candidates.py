@@ -93,7 +93,7 @@ def _candidate(
         forward_kept = kept - casts if profile.casts_cached else kept
         phases = _phase_peaks(profile, k + light, eligible, split and k > 0, kept, forward_kept)
         kept_phases = (phases.forward, phases.head, phases.blocks, profile.optimizer_peak)
-        kept_peak = max(kept_phases)
+        kept_peak = max(kept_phases[:3])  # what plans move; the optimizer's measured peak is theirs alike
     elif k or light:
         # Backward recomputes one checkpointed block (or part) at a time: its activations exist once more, briefly.
         rebuilt = profile.part_bytes if split else profile.block_bytes
@@ -104,7 +104,8 @@ def _candidate(
     recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
     if excess <= 0 or keep_only:
-        return Plan(0, k, kept_peak, recompute_ms, excess <= 0, split=split, light_blocks=light, phases=kept_phases)
+        peak = max(kept_peak, profile.optimizer_peak) if kept_phases else kept_peak
+        return Plan(0, k, peak, recompute_ms, excess <= 0, split=split, light_blocks=light, phases=kept_phases)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
     movable = max(0, eligible - profile.tail)
     if profile.host_bytes:
@@ -125,14 +126,14 @@ def _candidate(
     choice = model.cheapest(needed, movable, peak_of, budget)
     if choice is None:
         choice = model.most_frugal(movable)
-    peak = peak_of(choice)
+    moved_peak = peak_of(choice)
     cost = recompute_ms + choice.cost_ms + profile.copy_ms_per_gib * choice.nbytes / (1 << 30)
     return Plan(
         choice.nbytes,
         k,
-        peak,
+        max(moved_peak, profile.optimizer_peak) if profile.two_peaks else moved_peak,
         cost,
-        peak <= budget,
+        moved_peak <= budget,
         choice.inflight_cap,
         choice.prefetch_cap,
         split,
@@ -160,8 +161,9 @@ def _no_phases(choice: OffloadChoice) -> tuple[int, ...]:
 
 
 def _largest(phases_of: Callable[[OffloadChoice], tuple[int, ...]]) -> Callable[[OffloadChoice], int]:
-    """The peak of a step whose phases peak at ``phases_of(choice)``: the largest of them."""
-    return lambda choice: max(phases_of(choice))
+    """The peak a plan moves of a step whose phases peak at ``phases_of(choice)``: the largest up to the end of
+    backward (the optimizer's, last, is the same for every plan)."""
+    return lambda choice: max(phases_of(choice)[:3])
 
 
 def _one_peak_offloaded(kept_peak: int) -> Callable[[OffloadChoice], int]:

@@ -24,9 +24,9 @@ from lightning_offload.planner.book import NO_INPUT, InputBook
 from lightning_offload.planner.candidates import offered_plans
 from lightning_offload.planner.corrections import (
     after_out_of_memory,
+    after_planned_step,
     grown_base,
     heavier_than_planned,
-    small_miss,
     with_faster_compute,
 )
 from lightning_offload.planner.inputs import InputRecord
@@ -44,6 +44,12 @@ from lightning_offload.planner.trace import Trace
 from lightning_offload.planner.trials import PlanTrials, choose_plan, timing_key
 
 _RECORDED_STEPS = 512
+
+
+def keeps_margin(plan: Plan, budget: int, margin: int) -> bool:
+    """Whether ``plan``'s predicted peak up to the end of backward stays ``margin`` below ``budget``, and the
+    optimizer's step (measured, the same for every plan) within it."""
+    return plan.activation_peak + margin <= budget and plan.peak <= budget
 
 
 class Planner:
@@ -82,8 +88,9 @@ class Planner:
     def fit_margin(self) -> int:
         """How far below the budget every plan's predicted peak stays (:func:`~.aims.fit_margin`)."""
         p = self.rec.profile
-        base = p.base if p is not None and p.base else self.rec.base
-        return fit_margin(self.budget, base, p.fit_error if p is not None else 0)
+        if p is None:
+            return fit_margin(self.budget, self.rec.base, 0)
+        return fit_margin(self.budget, p.base or self.rec.base, p.fit_error, p.pressed_error)
 
     @property
     def plan_budget(self) -> int:
@@ -161,14 +168,13 @@ class Planner:
         plan, p = rec.plan, rec.profile
         assert plan is not None and p is not None
         timed = rec.trials.count(plan, obs.step_ms, pinned=obs.pinned, flushed=obs.flushed)
-        # The prediction counts what the step held as the model does, so a step that peaked where predicted moves
-        # nothing; only a rise moves the plan, towards memory.
-        missed = small_miss(plan, obs, self.budget)
-        if missed > p.fit_error:
-            rec.profile = p = dataclasses.replace(p, fit_error=missed)
-            if plan.peak + self.fit_margin > self.budget:
-                self._choose(memory=True)
-        heavier = heavier_than_planned(plan, obs, self.budget)
+        # A step that peaked where predicted moves nothing; only a rise moves the plan, towards memory.
+        p, error = after_planned_step(p, plan, obs, self.budget)
+        rec.profile = p
+        # Plans hold the optimizer's peak as learnt now: choose again where it passed the plan's, or the margin grew.
+        if p.optimizer_peak > plan.peak or (plan.fits and not keeps_margin(plan, self.budget, self.fit_margin)):
+            self._choose(memory=True)
+        heavier = heavier_than_planned(error, obs, self.budget)
         if heavier > 0:  # a lent plan that misled the input: it measures; else the model corrects by the miss
             if not self._misled_if_lent(heavier):
                 rec.profile = dataclasses.replace(rec.profile, correction=rec.profile.correction + heavier)
@@ -274,7 +280,7 @@ class Planner:
         if choice is None:
             return
         plan, trial, self.copies_lost = choice
-        plan = dataclasses.replace(plan, fits=plan.peak + self.fit_margin <= self.budget)
+        plan = dataclasses.replace(plan, fits=keeps_margin(plan, self.budget, self.fit_margin))
         previous, changed = rec.plan, plan != rec.plan
         rec.plan = plan
         if changed:

@@ -18,11 +18,43 @@ from lightning_offload.planner.steps import Observation
 FASTER_SHARE = 0.9
 
 
-def heavier_than_planned(plan: Plan, obs: Observation, budget: int) -> int:
-    """How many bytes more than ``plan`` the step held, where that is worth planning again (0: not): a peak past the
-    prediction by more than ``REPLAN_SHARE`` of the budget, or past the budget at all; and reserved memory the step
-    itself took past the budget (no hard cap stopped it; what heavier steps before it reserved is the allocator's)."""
-    error = obs.peak - plan.peak
+def after_planned_step(profile: StepProfile, plan: Plan, obs: Observation, budget: int) -> tuple[StepProfile, int]:
+    """What a planned step of ``plan`` teaches ``profile`` of memory short of a correction (the optimizer's peak; the
+    misses the fit margin covers), and how far it peaked past the plan (:func:`step_error`)."""
+    profile = with_optimizer_peak(profile, obs)
+    error = step_error(plan, profile, obs)
+    missed, pressed = small_miss(error, budget), pressed_error(plan, profile, obs)
+    if missed > profile.fit_error or pressed > profile.pressed_error:
+        profile = dataclasses.replace(
+            profile, fit_error=max(profile.fit_error, missed), pressed_error=max(profile.pressed_error, pressed)
+        )
+    return profile, error
+
+
+def with_optimizer_peak(profile: StepProfile, obs: Observation) -> StepProfile:
+    """The profile with the peak a planned step reached after its backward (the optimizer's step), where that rose
+    above the one measured: no plan moves it (activations are gone by then), so it is learnt as a phase of its own,
+    not counted as the plan's miss. A measuring step without an optimizer step (accumulated gradients) measured none."""
+    after_backward = obs.peak if obs.backward_peak and obs.peak > obs.backward_peak else 0
+    if not profile.two_peaks or after_backward <= profile.optimizer_peak:
+        return profile
+    return dataclasses.replace(profile, optimizer_peak=after_backward)
+
+
+def step_error(plan: Plan, profile: StepProfile, obs: Observation) -> int:
+    """How far the step peaked past what ``plan`` predicts of it, phase by phase (negative: below): its activations'
+    phases (up to the end of backward) against the plan's, and its whole peak against the plan's with the optimizer's
+    peak ``profile`` knows now."""
+    if not plan.phases or not obs.backward_peak:
+        return obs.peak - plan.peak
+    return max(obs.backward_peak - max(plan.phases[:3]), obs.peak - max(plan.peak, profile.optimizer_peak))
+
+
+def heavier_than_planned(error: int, obs: Observation, budget: int) -> int:
+    """How many bytes more than its plan the step held (its ``error``, :func:`step_error`), where that is worth
+    planning again (0: not): a peak past the prediction by more than ``REPLAN_SHARE`` of the budget, or past the budget
+    at all; and reserved memory the step itself took past the budget (no hard cap stopped it; what heavier steps before
+    it reserved is the allocator's)."""
     passed = error > budget * REPLAN_SHARE or (error > 0 and obs.peak > budget)
     heavier = max(error, obs.peak - budget) if passed else 0
     if obs.reserved_peak > max(obs.reserved_at_start, budget):
@@ -30,13 +62,20 @@ def heavier_than_planned(plan: Plan, obs: Observation, budget: int) -> int:
     return heavier
 
 
-def small_miss(plan: Plan, obs: Observation, budget: int) -> int:
-    """What the fit margin must cover of this step: its miss below the replanning share and, where the allocator
-    flushed its cache, the fragments it reserved past its peak."""
-    missed = max(0, min(obs.peak - plan.peak, int(budget * REPLAN_SHARE)))
-    if obs.flushed:
-        missed += max(0, obs.reserved_peak - obs.peak)
-    return missed
+def small_miss(error: int, budget: int) -> int:
+    """What the fit margin must cover of a step that peaked ``error`` bytes past its prediction: the miss below the
+    replanning share."""
+    return max(0, min(error, int(budget * REPLAN_SHARE)))
+
+
+def pressed_error(plan: Plan, profile: StepProfile, obs: Observation) -> int:
+    """Where a hard cap pressed the step's allocator (it flushed its cache), how far its reserved peak passed what
+    ``plan`` predicts of the step (with the optimizer's peak ``profile`` knows): the cap counts reserved bytes. Its
+    fragments are what the allocator held there, and they never pass the cap in a step that ran, so this never makes
+    a plan that ran stop fitting (0 where it did not flush)."""
+    if not obs.flushed:
+        return 0
+    return max(0, obs.reserved_peak - max(plan.peak, profile.optimizer_peak))
 
 
 def after_out_of_memory(profile: StepProfile, plan: Plan, obs: Observation, budget: int, margin: int) -> StepProfile:

@@ -78,6 +78,9 @@ class StepProfile:
         fit_error: the most a planned step of this profile needed beyond its plan's prediction without the model
             being corrected for it (small misses, the allocator's fragments when a hard cap pressed it); learnt by
             :class:`BudgetPlanner`, only ever higher. The fit margin keeps plans at least this far below the budget.
+        pressed_error: the most a planned step's reserved bytes passed its plan's prediction where a hard cap pressed
+            the allocator (it flushed its cache): what the cap counts there. A step that ran under the cap proves
+            that much room enough, so the margin takes it once, not scaled as ``fit_error`` is; only ever higher.
     """
 
     peak: int
@@ -110,6 +113,7 @@ class StepProfile:
     kept_bytes: int = 0
     base: int = 0
     fit_error: int = 0
+    pressed_error: int = 0
     cast_bytes: int = 0
     cast_blocks: int = 0
     casts_cached: bool = False
@@ -142,7 +146,8 @@ class Plan:
             whole: the most frugal plans, for when a block rebuilt whole does not fit.
         peak: the predicted peak allocated bytes.
         extra_ms: the predicted step time over keeping everything (recompute plus copies that do not hide).
-        fits: whether ``peak`` is within the budget.
+        fits: whether the plan is within the budget: ``activation_peak`` (a prediction) with the fit margin below it,
+            and ``peak`` (the optimizer's step, measured) at all.
         inflight_cap: the most bytes whose copies out may lag behind forward (``None``: no bound, the copies finish
             behind forward's compute).
         prefetch_cap: the most bytes fetched back ahead of need before backward frees any (``None``: the
@@ -164,6 +169,12 @@ class Plan:
     split: bool = False
     light_blocks: int = 0
     phases: tuple[int, ...] = ()
+
+    @property
+    def activation_peak(self) -> int:
+        """The predicted peak up to the end of backward: what the plan moves (the optimizer's step, measured apart, is
+        the same for every plan)."""
+        return max(self.phases[:3]) if self.phases else self.peak
 
     def describe(self, budget: int) -> str:
         gib = float(1 << 30)

@@ -55,6 +55,11 @@ def plan_chosen(budget: int, trial: str, plan: Plan, margin: int, base: int, pro
     text = f"memory_budget={_gib(budget)}: {trial}{plan.describe(budget)}"
     if plan.fits:
         return text
+    if plan.peak > max(budget, plan.activation_peak):
+        return text + (
+            f": the optimizer's step peaked at {_gib(plan.peak)} after backward, past the budget whatever the plan "
+            f"(activations are gone by then; weights, gradients and optimizer state take {_gib(base)})"
+        )
     transients = profile.peak + profile.correction - profile.resident - base
     return text + (
         f", within the fit margin of {_gib(margin)} below it (what this model's predictions and the allocator's "

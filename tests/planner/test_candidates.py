@@ -99,8 +99,8 @@ def test_with_the_heads_backward_apart_a_checkpointing_plan_counts_no_block_or_p
 def test_where_the_blocks_backward_is_the_higher_peak_it_counts_the_rebuilt_block_and_the_prefetch() -> None:
     """No loss transient to speak of (a small vocabulary): the blocks' backward, with a block rebuilt (its saved bytes
     and half again for its backward's gradients) and the copies fetched ahead, is the step's peak, and plans count
-    it. A measured rise after the head replaces the estimate; the optimizer's peak, which no plan lowers, bounds them
-    all."""
+    it. A measured rise after the head replaces the estimate; the optimizer's peak, which no plan lowers, bounds every
+    plan's peak but chooses none: plans fit by what they move, and the planner checks the optimizer's step apart."""
     flat = dict(head_bytes=256 * MiB, head_peak=30 * GiB, backward_base=30 * GiB - 256 * MiB)
     held = 10 * GiB - 256 * MiB  # the activations the measured step still held as backward left the head
     kept = [plan_candidates(profile(**flat), 100 * GiB)[k].peak for k in range(11)]
@@ -113,7 +113,11 @@ def test_where_the_blocks_backward_is_the_higher_peak_it_counts_the_rebuilt_bloc
     measured = plan_candidates(profile(**flat, rest_peak=31 * GiB), 100 * GiB)
     assert all(measured[k].peak == 31 * GiB - held + 10 * GiB - k * (GiB - 64 * MiB) for k in range(11))
     floor = plan_candidates(profile(**flat, optimizer_peak=25 * GiB), 22 * GiB)
-    assert all(candidate.peak >= 25 * GiB and not candidate.fits for candidate in floor)
+    assert all(c.peak == max(25 * GiB, c.activation_peak) and c.phases[3] == 25 * GiB for c in floor)
+    assert [c.fits for c in floor] == [c.fits for c in plan_candidates(profile(**flat), 22 * GiB)]
+    assert replace(plan_for_budget(profile(**flat, optimizer_peak=25 * GiB), 22 * GiB), peak=0, phases=()) == replace(
+        plan, peak=0, phases=()
+    )
 
 
 def test_a_frugal_measuring_step_and_one_that_kept_everything_predict_the_same_plans() -> None:
