@@ -100,8 +100,9 @@ def test_a_step_that_begins_with_what_was_measured_keeps_its_plan(caplog: pytest
 @pytest.mark.parametrize("fragments", [1.0, 2.0])
 def test_a_pressed_allocators_reserved_peak_sets_the_fit_margin(fragments: float) -> None:
     """Planned steps under a hard cap that flush the allocator's cache and hold fragments past their peak: the cap
-    counts reserved bytes, so the margin takes how far the reserved peak passed the plan's prediction, once. A step
-    that ran under the cap proves that room enough: fragments as large as the prior margin, within the budget, leave
+    counts reserved bytes, so the margin takes how far the reserved peak passed the plan's prediction, once, with 2% of
+    the budget for the fragments to differ from step to step. A step that ran under the cap with that share left
+    unreserved proves that room enough: fragments as large as the prior margin, within the budget, leave
     the plan fitting and the margin at its prior; twice as large (past the budget, which is then no hard cap), the
     margin grows to the miss and the plan moves down with it. (Counting every fragment of a flushed step, scaled, made
     the plans that had run stop fitting: on an H100, zoo rows 00, 31 and 34 then ran the most frugal plan, 1.24-1.78x
@@ -115,7 +116,8 @@ def test_a_pressed_allocators_reserved_peak_sets_the_fit_margin(fragments: float
     first = len(memory.peaks)
     run_steps(engine, model, x, 3)
     assert planner.profile is not None and planner.plan is not None
-    passed = memory.peaks[first] + memory.gap - predicted  # the first planned step's reserved peak past its prediction
+    # The first planned step's reserved peak past its prediction, and room for the fragments to differ (2%).
+    passed = memory.peaks[first] + memory.gap - predicted + int(0.02 * budget)
     assert planner.profile.pressed_error == max(0, passed) and planner.profile.fit_error == 0
     if fragments == 1.0:
         assert memory.peaks[first] + memory.gap <= budget and passed <= prior  # it ran under the cap

@@ -79,8 +79,9 @@ class StepProfile:
             being corrected for it (small misses, the allocator's fragments when a hard cap pressed it); learnt by
             :class:`BudgetPlanner`, only ever higher. The fit margin keeps plans at least this far below the budget.
         pressed_error: the most a planned step's reserved bytes passed its plan's prediction where a hard cap pressed
-            the allocator (it flushed its cache): what the cap counts there. A step that ran under the cap proves
-            that much room enough, so the margin takes it once, not scaled as ``fit_error`` is; only ever higher.
+            the allocator (it flushed its cache), plus the replanning share of the budget: what the cap counts there,
+            and room for the fragments to differ from step to step. A plan whose pressed steps kept that share
+            unreserved keeps fitting, so the margin takes it once, not scaled as ``fit_error`` is; only ever higher.
     """
 
     peak: int

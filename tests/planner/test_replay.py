@@ -144,12 +144,12 @@ if __name__ == "__main__":
         print("recorded", scenario)
 
 
-def _gpu_traces() -> list[Path]:
-    return [p for p in [*_stored(), *sorted(CHANGED.glob("*.json"))] if p.stem.startswith("h100-zoo-")]
+def _gpu_traces(device: str = "h100") -> list[Path]:
+    return [p for p in [*_stored(), *sorted(CHANGED.glob("*.json"))] if p.stem.startswith(f"{device}-zoo-")]
 
 
-def _zoo_trace(name: str) -> dict[str, Any]:
-    return json.loads(next(p for p in _gpu_traces() if p.stem == f"h100-zoo-{name}").read_text())
+def _zoo_trace(name: str, device: str = "h100") -> dict[str, Any]:
+    return json.loads(next(p for p in _gpu_traces(device) if p.stem == f"{device}-zoo-{name}").read_text())
 
 
 def _observed_blocks(name: str) -> list[dict[str, Any]]:
@@ -207,8 +207,9 @@ def test_the_optimizers_peak_is_learnt_as_a_phase_not_counted_as_the_plans_miss(
     prediction in AdamW's step (28.53 GiB; the plain arm's step peaked at 28.55), after a backward that stayed within
     0.25 GiB of it. Counted as the plan's miss, it grew the margin until the most frugal plan ran (1.33x
     checkpointing). Now the optimizer's peak is learnt, every plan's peak holds it, and plans are chosen by what they
-    move: the miss the plan is charged is its activations' (0.25 GiB), the margin stays under 0.8 GiB (it had grown
-    to 1.99), and the next trial fits."""
+    move: the miss the plan is charged is its activations' (0.25 GiB), and the next trial keeps the margin with what
+    it moves while its peak holds the optimizer's. (Its trial steps also reserved up to 98% of the cap, which the
+    margin now takes as pressed: see the next test.)"""
     trace = _zoo_trace("27-llama-h3072x12-gqa-v50304-b2x4096-bf16-mixed-adamw-callback")
     recorded = recorded_answers(trace)
     planner, answers = _replayed_before(trace, 5)
@@ -216,9 +217,8 @@ def test_the_optimizers_peak_is_learnt_as_a_phase_not_counted_as_the_plans_miss(
     observed = [e[1] for e in trace["events"] if e[0] == "observe"][3]
     p, budget = planner.profile, trace["budget"]
     assert p.optimizer_peak == observed["peak"] > observed["backward_peak"] and p.optimizer_peak > 28.5 * GiB
-    assert p.fit_error <= 0.26 * GiB and p.pressed_error <= 0.75 * GiB
+    assert p.fit_error <= 0.26 * GiB  # the activations' miss, not the optimizer's 0.55 GiB
     assert planner.fit_margin == max(int(0.10 * (budget - p.base)), int(1.25 * p.fit_error), p.pressed_error)
-    assert planner.fit_margin < 0.8 * GiB
     plan = answers[4]["plan"]
     assert plan["fits"] and plan["peak"] == p.optimizer_peak and plan["phases"][3] == p.optimizer_peak
     assert max(plan["phases"][:3]) + planner.fit_margin <= budget
@@ -228,18 +228,40 @@ def test_the_optimizers_peak_is_learnt_as_a_phase_not_counted_as_the_plans_miss(
 def test_fragments_a_step_ran_with_under_its_cap_leave_its_plan_fitting() -> None:
     """Zoo row 00 on an H100 (the issue's Llama h1024 x16 under a 6.01 GiB cap, callback): its trial steps flushed the
     allocator's cache and reserved up to 0.46 GiB past their peaks, but never past their predictions by more than
-    0.11 GiB, and all ran. Those fragments, scaled, once made a margin of 1.65 GiB: the plans that had run stopped
-    fitting and the most frugal plan ran, at 1.50x checkpointing. Now the margin holds the reserved peak's excess over
-    the prediction once, so it stays the prior (a tenth of the room above the base) and the trials go on among plans
-    up to the one that ran first."""
+    0.11 GiB, and all ran, with 0.3 GiB of the cap unreserved. Those fragments, scaled, once made a margin of 1.65
+    GiB: the plans that had run stopped fitting and the most frugal plan ran, at 1.50x checkpointing. Now the margin
+    holds the reserved peak's excess over the prediction once, so it stays the prior (a tenth of the room above the
+    base) and the trials go on among plans up to the one that ran first."""
     trace = _zoo_trace("00-llama-h1024x16-gqa-v32000-b1x8192-bf16-adamw-callback")
     recorded = recorded_answers(trace)
     planner, answers = _replayed_before(trace, 5)
     assert answers[:4] == recorded[:4]
     p, budget = planner.profile, trace["budget"]
-    assert 0 < p.pressed_error <= 0.12 * GiB and p.fit_error == 0
+    assert 0 < p.pressed_error <= 0.24 * GiB and p.fit_error == 0  # reserved <= 0.11 GiB past it, and 2% of 6 GiB
     assert planner.fit_margin == int(0.10 * (budget - p.base))
     first_trial = answers[2]["plan"]
     assert answers[4]["phase"] == "trying" and answers[4]["plan"]["peak"] == first_trial["peak"]
     assert first_trial["peak"] + planner.fit_margin <= budget
     assert recorded[4]["plan"]["peak"] < first_trial["peak"]  # recorded: the plans that had run no longer fitted
+
+
+def test_a_plan_whose_step_reserved_up_to_the_cap_stops_fitting() -> None:
+    """Zoo row 00 run alone on an H200 (the issue's Llama h1024 x16 under a 6.01 GiB cap, callback): a trial plan
+    that offloads nothing (11 blocks checkpointed, 5 light; predicted 5.49 GiB) peaked at 5.56 GiB, and its steps
+    flushed the allocator's cache and reserved to within 1 MiB and 5 MiB of the cap. Counted once, that left the plan
+    exactly fitting, and its third step ran out of memory asking for the loss's 1000 MiB. Now a pressed step's reserved
+    peak must leave 2% of the budget unreserved for its plan to keep fitting: after the first such step the planner
+    times another plan, predicted lower, before the step that failed."""
+    trace = _zoo_trace("alone-00-llama-h1024x16-gqa-v32000-b1x8192-bf16-adamw-callback", "h200")
+    recorded = recorded_answers(trace)
+    observed = [e[1] for e in trace["events"] if e[0] == "observe"]
+    budget = trace["budget"]
+    failing = recorded[14]["plan"]
+    assert recorded[15]["plan"] == failing and recorded[16]["plan"] == failing
+    assert failing["offload_bytes"] == 0 and observed[14]["flushed"] and budget - observed[14]["reserved_peak"] < 2**20
+    assert observed[16]["out_of_memory"] and observed[16]["request"] == 1000 * 2**20
+    planner, answers = _replayed_before(trace, 16)
+    assert answers[:15] == recorded[:15]
+    assert planner.profile.pressed_error >= observed[14]["reserved_peak"] - failing["peak"] + int(0.02 * budget)
+    assert answers[15]["phase"] == "trying" and answers[15]["plan"]["peak"] < failing["peak"]
+    assert answers[15]["plan"]["peak"] + planner.fit_margin <= budget < failing["peak"] + planner.fit_margin
