@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_offload.planner import words
-from lightning_offload.resting_floor import resting_floor, state_per_weight
+from lightning_offload.resting_floor import resting_floor, state_per_weight, step_temporaries
 
 CPU = torch.device("cpu")
 GIB, MIB = 1 << 30, 1 << 20
@@ -35,13 +35,32 @@ def test_state_per_weight_by_kind(make, per_weight: int) -> None:
     assert state_per_weight(optimizer, optimizer.param_groups[0]) == per_weight
 
 
+@pytest.mark.parametrize(
+    ("make", "device", "temporaries"),
+    [
+        (lambda p: torch.optim.AdamW(p), "cuda", 1),  # multi-tensor by default on CUDA: every square root at once
+        (lambda p: torch.optim.AdamW(p), "cpu", 0),  # single-tensor by default on the CPU
+        (lambda p: torch.optim.Adam(p, foreach=True), "cpu", 1),
+        (lambda p: torch.optim.AdamW(p, foreach=False), "cuda", 0),
+        (lambda p: torch.optim.AdamW(p, fused=True), "cuda", 0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "cuda", 0),
+    ],
+)
+def test_step_temporaries_by_kind_and_implementation(make, device: str, temporaries: int) -> None:
+    optimizer = make(_model().parameters())
+    assert step_temporaries(optimizer, optimizer.param_groups[0], torch.device(device)) == temporaries
+
+
 def test_the_floor_counts_what_the_first_step_allocates_for_trainable_weights_once() -> None:
     model = _model()
     trainable = 544 * 4
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     floor = resting_floor(1000, CPU, [optimizer], model.parameters())  # the model's weights again: counted once
     assert (floor.allocated, floor.gradients, floor.state) == (1000, trainable, 2 * trainable)
-    assert floor.total == 1000 + 3 * trainable and floor.optimizers == ("AdamW",)
+    assert floor.total == 1000 + 3 * trainable and floor.optimizers == ("AdamW",) and floor.transient == 0
+    multi_tensor = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    floor = resting_floor(1000, CPU, [multi_tensor])
+    assert (floor.state, floor.transient, floor.total) == (2 * trainable, trainable, 1000 + 4 * trainable)
 
 
 def test_what_exists_already_is_not_counted_again() -> None:
@@ -66,6 +85,8 @@ def test_the_message_says_what_the_floor_holds_and_what_to_do() -> None:
     assert "4.00 GiB of gradients and 8.00 GiB of AdamW's state to come" in text
     assert "No plan can keep the step within the budget" in text
     assert "8.00 GiB of gradients to come" in words.resting_floor_over(gib, 0, 8 * gib, 0, ())
+    with_step = words.resting_floor_over(10 * gib, 4 * gib, 4 * gib, 8 * gib, ("AdamW",), 4 * gib)
+    assert "holds at least 20.00 GiB" in with_step and ", and 4.00 GiB its step allocates for a moment." in with_step
 
 
 def test_a_wrong_optimizer_is_refused_naming_the_call_and_the_argument() -> None:

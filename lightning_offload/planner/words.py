@@ -19,12 +19,16 @@ def budget_taken(budget: int, base: int) -> str:
     )
 
 
-def resting_floor_over(budget: int, allocated: int, gradients: int, state: int, optimizers: tuple[str, ...]) -> str:
+def resting_floor_over(
+    budget: int, allocated: int, gradients: int, state: int, optimizers: tuple[str, ...], transient: int = 0
+) -> str:
     """Before the first step: the weights (``allocated``), the ``gradients`` and the ``state`` of ``optimizers`` to
-    come already pass the budget."""
-    total = allocated + gradients + state
+    come, and what their step allocates for a moment (``transient``), already pass the budget."""
+    total = allocated + gradients + state + transient
     held = f"{_gib(allocated)} allocated now (the weights), {_gib(gradients)} of gradients"
     held += f" and {_gib(state)} of {' and '.join(optimizers)}'s state to come" if state else " to come"
+    if transient:
+        held += f", and {_gib(transient)} its step allocates for a moment"
     return (
         f"memory_budget={_gib(budget)}: before any activation, a training step holds at least {_gib(total)}: {held}. "
         "No plan can keep the step within the budget: a budget above that, fewer trainable weights (adapters such as "
