@@ -16,13 +16,12 @@ PLAN_MARGIN_SHARE = 0.05
 # model's 2 GiB cap (500 MiB of logits' gradient) left 0.11 GiB of fragments, and plans aimed only 5% below it ran out
 # of memory.
 RESERVED_GAP_FACTOR = 1.5
-# The fit margin: at least this share of the room the budget leaves above the step's base (weights, optimizer state,
-# gradients: what the model cannot get wrong) and this multiple of the largest error planned steps of the input showed.
+# The fit margin's prior: this share of the room the budget leaves above the step's base (weights, optimizer state,
+# gradients: what the model cannot get wrong), in force until planned steps of the input showed a larger error.
 # The model's errors and the allocator's fragments come from what it predicts (activations, the loss's transients), so
 # they scale with the room, not with the weights: on an H200 a model zoo's planned steps peaked up to 0.22 GiB above
 # their predictions, and a hard cap that failed a 1000 MiB request held 0.27 GiB of fragments (8.6% of the room).
 FIT_ROOM_SHARE = 0.10
-FIT_ERROR_FACTOR = 1.25
 # A planned step replans when its peak passes its prediction by more than this share of the budget.
 REPLAN_SHARE = 0.02
 # With expandable segments, plans that offload nothing aim at most this share below the budget, whatever the measuring
@@ -56,10 +55,10 @@ def default_budget(total: int) -> int:
 
 def fit_margin(budget: int, base: int, fit_error: int, pressed_error: int = 0) -> int:
     """How far below ``budget`` every plan's predicted peak stays: ``FIT_ROOM_SHARE`` of the room above the step's
-    ``base`` (a prior, in force from the first planned step on), ``FIT_ERROR_FACTOR`` x the largest ``fit_error``
-    the input's planned steps showed, and the largest ``pressed_error`` (reserved past the prediction under a pressed
+    ``base`` (a prior, in force from the first planned step on), the largest ``fit_error`` the input's planned steps
+    showed, and the largest ``pressed_error`` (reserved past the prediction under a pressed
     hard cap: a step that ran proved it enough, so a plan that ran keeps fitting)."""
-    return max(int(FIT_ROOM_SHARE * max(0, budget - base)), int(FIT_ERROR_FACTOR * fit_error), pressed_error)
+    return max(int(FIT_ROOM_SHARE * max(0, budget - base)), fit_error, pressed_error)
 
 
 def plan_aim(budget: int, margin: int, reserved_gap: int) -> int:

@@ -16,10 +16,9 @@ from lightning_offload.planner.offload_model import fit_link_share, offload_cost
 from lightning_offload.planner.steps import Notice
 from lightning_offload.units import GiB
 
-# Waits and slower forwards count as a misprediction beyond this much (the larger of the two): copies and compute
-# share memory bandwidth, and single steps vary.
+# Waits and slower forwards count as a misprediction beyond this much: copies and compute share memory bandwidth, and
+# single steps vary.
 NOISE_MS = 10.0
-NOISE_SHARE = 0.05
 _STEPS_KEPT = 32  # recent steps that pinned host buffers, kept to tell the timings read late apart
 
 
@@ -54,13 +53,13 @@ def learn_from_slow_forward(rec: InputRecord, machine: Machine, step: int, ms: f
     assert rec.plan is not None and rec.profile is not None
     plan, profile, earlier = rec.plan, rec.profile, rec.slow_forward
     slower = ms - profile.forward_ms
-    if slower <= max(NOISE_MS, NOISE_SHARE * profile.forward_ms):
+    if slower <= NOISE_MS:
         return machine
     rec.slow_forward = (step, slower)
     if earlier is None or (earlier[0], step) not in itertools.pairwise(rec.plan_steps):
         return machine
     per_gib = min(slower, earlier[1]) / (plan.offload_bytes / GiB)
-    if per_gib <= max(profile.copy_ms_per_gib, machine.copy_ms_per_gib) * (1 + NOISE_SHARE):
+    if per_gib <= max(profile.copy_ms_per_gib, machine.copy_ms_per_gib):
         return machine
     notices.append(
         Notice(
@@ -80,8 +79,7 @@ def learn_from_copy_waits(rec: InputRecord, machine: Machine, step: int, ms: flo
     assert rec.plan is not None and rec.profile is not None
     plan, profile = rec.plan, rec.profile
     predicted = offload_cost_ms(profile, plan)
-    noise = max(NOISE_MS, NOISE_SHARE * (profile.forward_ms + (profile.backward_ms or 0.0)))
-    if ms <= predicted + noise:
+    if ms <= predicted + NOISE_MS:
         return machine
     share = fit_link_share(profile, plan, ms)
     if share >= min(profile.link_share, machine.link_share) - 0.01:

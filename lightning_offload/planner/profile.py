@@ -76,12 +76,13 @@ class StepProfile:
         base: allocated bytes as the measured step began (weights, optimizer state, gradients kept): planned steps
             that begin above it hold that much more in every phase.
         fit_error: the most a planned step of this profile needed beyond its plan's prediction without the model
-            being corrected for it (small misses, the allocator's fragments when a hard cap pressed it); learnt by
-            :class:`BudgetPlanner`, only ever higher. The fit margin keeps plans at least this far below the budget.
+            being corrected for it (a small miss; after an out-of-memory error, the allocator's fragments then);
+            learnt by :class:`BudgetPlanner`, only ever higher. The fit margin keeps plans at least this far below the
+            budget.
         pressed_error: the most a planned step's reserved bytes passed its plan's prediction where a hard cap pressed
             the allocator (it flushed its cache), plus the replanning share of the budget: what the cap counts there,
             and room for the fragments to differ from step to step. A plan whose pressed steps kept that share
-            unreserved keeps fitting, so the margin takes it once, not scaled as ``fit_error`` is; only ever higher.
+            unreserved keeps fitting; only ever higher.
     """
 
     peak: int

@@ -119,3 +119,14 @@ def test_the_floor_counts_as_said_by_every_message_that_says_so_before_a_step() 
     assert zoo.said_floor_over(words.budget_taken(gib, 2 * gib))
     assert zoo.said_floor_over(words.frugal_step_passes(gib, 2 * gib, gib, gib, gib))
     assert not zoo.said_floor_over(words.base_grew(gib, gib))
+
+
+def test_a_plan_said_to_fit_that_ran_out_of_memory_is_the_planners_miss() -> None:
+    """The plan of the step that raised is read from the planner's trace: said to fit, its failure counts against the
+    planner, whatever the plans after the correction were said to do."""
+    fitted = {"events": [["begin", {}, {"phase": "trying", "plan": {"fits": True}}], ["observe", {"raised": True}]]}
+    frugal = {"events": [["begin", {}, {"phase": "planned", "plan": {"fits": False}}], ["observe", {"raised": True}]]}
+    measuring = {"events": [["begin", {}, {"phase": "measuring", "measure": {}}]]}
+    assert zoo.failed_plan_fitted(fitted)
+    assert not zoo.failed_plan_fitted(frugal) and not zoo.failed_plan_fitted(measuring)
+    assert not zoo.failed_plan_fitted(None) and not zoo.failed_plan_fitted({"events": []})

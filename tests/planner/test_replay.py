@@ -218,7 +218,7 @@ def test_the_optimizers_peak_is_learnt_as_a_phase_not_counted_as_the_plans_miss(
     p, budget = planner.profile, trace["budget"]
     assert p.optimizer_peak == observed["peak"] > observed["backward_peak"] and p.optimizer_peak > 28.5 * GiB
     assert p.fit_error <= 0.26 * GiB  # the activations' miss, not the optimizer's 0.55 GiB
-    assert planner.fit_margin == max(int(0.10 * (budget - p.base)), int(1.25 * p.fit_error), p.pressed_error)
+    assert planner.fit_margin == max(int(0.10 * (budget - p.base)), p.fit_error, p.pressed_error)
     plan = answers[4]["plan"]
     assert plan["fits"] and plan["peak"] == p.optimizer_peak and plan["phases"][3] == p.optimizer_peak
     assert max(plan["phases"][:3]) + planner.fit_margin <= budget
