@@ -74,7 +74,8 @@ def patched(modules: list[ModuleType], name: str, value: float) -> Iterator[None
 
 def changed_traces(traces: dict[str, dict[str, Any]]) -> list[str]:
     """The traces whose replay answers otherwise than they recorded (or raises)."""
-    from lightning_offload.planner.trace import recorded_answers, replay
+    from lightning_offload.planner.replay import replay
+    from lightning_offload.planner.trace import recorded_answers
 
     changed = []
     for name, trace in traces.items():

@@ -1,20 +1,14 @@
-"""What the planner was told and what it answered, step by step, as plain JSON-ready values (:class:`Trace`), and
-:func:`replay`, which tells a fresh :class:`~lightning_offload.planner.core.Planner` the same and collects its answers.
-
-A trace recorded on a GPU replays on any machine: the planner reads nothing but what it is told. Tests replay
-recorded traces and assert that the planner still answers as it did (or, after a deliberate change, how it differs).
+"""What the planner was told and what it answered, step by step, as plain JSON-ready values (:class:`Trace`);
+:mod:`~lightning_offload.planner.replay` tells a fresh planner the same and collects its answers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_offload.planner.steps import Directive, Observation, StepStart
-
-if TYPE_CHECKING:
-    from lightning_offload.planner.core import Planner
 
 TRACE_VERSION = 1
 # Events kept per trace: the first ones (a replay must start where the planner started). About 2 per step: a
@@ -75,33 +69,6 @@ class Trace:
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": TRACE_VERSION, **self.settings, "truncated": self.truncated, "events": self.events}
-
-
-def replay(trace: dict[str, Any]) -> tuple[Planner, list[dict[str, Any]]]:
-    """Tell a fresh planner what ``trace`` (from :meth:`Trace.as_dict`) records; returns it and the summary of each
-    directive it answered, in order (compare with the ``begin`` events' recorded ones)."""
-    # (The core records traces: imported here, not at the top.)
-    from lightning_offload.planner.core import Planner
-    from lightning_offload.planner.state import restore_plans
-
-    if trace.get("version") != TRACE_VERSION:
-        raise ValueError(f"replay(trace): trace version {trace.get('version')!r}, expected {TRACE_VERSION}")
-    planner = Planner(trace["budget"], trials=trace["trials"], frugal_first=trace["frugal_first"])
-    answers: list[dict[str, Any]] = []
-    for name, *args in trace["events"]:
-        if name == "input":
-            planner.input_changed(key_from_json(args[0]))
-        elif name == "begin":
-            answers.append(directive_summary(planner.begin(StepStart(**args[0]))))
-        elif name == "observe":
-            planner.observe(Observation.from_dict(args[0]))
-        elif name == "replan":
-            planner.replan(args[0])
-        elif name == "restore":
-            restore_plans(planner, args[0])
-        else:
-            raise ValueError(f"replay(trace): unknown event {name!r}")
-    return planner, answers
 
 
 def recorded_answers(trace: dict[str, Any]) -> list[dict[str, Any]]:

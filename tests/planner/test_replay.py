@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_offload.planner.trace import TRACED_EVENTS, Trace, key_from_json, key_to_json, recorded_answers, replay
+from lightning_offload.planner.replay import replay
+from lightning_offload.planner.trace import TRACED_EVENTS, Trace, key_from_json, key_to_json, recorded_answers
 from lightning_offload.units import GiB
 from tests.test_budget import (
     BATCH,
