@@ -60,7 +60,7 @@ for arm in arms:
     lengths = [int(statistics.median_low(drawn))] * steps if arm == "fixed" else drawn
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     off = None if arm == "none" else offload_activations(model=model, memory_budget=budget, compute_device=device.type)
-    measured, times, previous, info, ooms, step_peaks, forward_host = [], [], None, [], 0, [], []
+    measured, trying, times, previous, info, ooms, step_peaks, forward_host = [], [], [], None, [], 0, [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for n in lengths:
@@ -79,6 +79,8 @@ for arm in arms:
             with off if off is not None else contextlib.nullcontext():
                 # (No planner on the CPU: the allocator's counters it plans from are CUDA's.)
                 measured.append(off is not None and off.planner is not None and off.planner.measuring)
+                # Read as the step runs: after it, the planner has chosen the next step's plan (trials may have ended).
+                trying.append(off is not None and off.planner is not None and off.planner.trying)
                 loss = bench.loss(ids)
             # Host time to queue forward (no sync): where it nears the step's time, the host held the device up
             # (hooks, a synchronization inside forward).
@@ -93,6 +95,11 @@ for arm in arms:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         forward_host.append(queued)
+        # One line a step as it ends: a run cut short by a time limit still tells how far it got.
+        print(
+            f"{arm} step {len(times)} length {n} measuring {measured[-1]} trying {trying[-1]} {times[-1]:.3f} s",
+            flush=True,
+        )
         # The step's own peaks: the planner resets the counters as each of its steps begins, so the process's
         # maximum read after the last step would be the last step's alone.
         step_peaks.append((torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) if cuda else (0, 0))
@@ -103,7 +110,7 @@ for arm in arms:
         plan = planner.plan if planner is not None else None
         info.append(
             {
-                "trying": planner is not None and planner.trying,
+                "trying": trying[-1],
                 "offload_gib": round(stats.offloaded_bytes / 2**30, 2),
                 "new_host_buffers": stats.host_allocations,
                 "pinned_gib": round(stats.host_pinned_bytes / 2**30, 2),
@@ -121,6 +128,7 @@ for arm in arms:
         "capped": capped,
         "out_of_memory_steps": ooms,
         "measuring_steps": sum(measured),
+        "trial_steps": sum(trying),
         "measured": measured,
         "info": info,
         "step_s": times,
@@ -133,15 +141,6 @@ for arm in arms:
         "step_peaks_gib": [[round(r / 2**30, 2), round(a / 2**30, 2)] for r, a in step_peaks],
     }
 json.dump(results, open(out, "w"), indent=1)
-print(f"lengths {lengths}")
-print(f"{'arm':22s} measuring  total_s  median_s(>4)  tok/s   reserved/alloc GiB  OOM (capped: {capped})")
-for arm in arms:
-    r = results[arm]
-    print(
-        f"{arm:22s} {r['measuring_steps']:9d} {r['total_s']:8.2f} {r['median_s_after_4']:13.3f}"
-        f" {r['tokens_per_s']:6.0f}"
-        f"  {r['peak_reserved_gib']:.2f}/{r['peak_alloc_gib']:.2f}  {r['out_of_memory_steps']}"
-    )
 for arm in arms:
     print(arm)
     r = results[arm]
@@ -152,3 +151,14 @@ for arm in arms:
             f" new {i['new_host_buffers']:3d}"
             f" pinned {i['pinned_gib']:6.2f} plan {i['plan']}"
         )
+print(f"lengths {lengths}")
+print(f"{'arm':22s} measuring  trial  share  total_s  median_s(>4)  tok/s   reserved/alloc GiB  OOM (capped: {capped})")
+for arm in arms:
+    r = results[arm]
+    print(
+        f"{arm:22s} {r['measuring_steps']:9d} {r['trial_steps']:6d}"
+        f" {(r['measuring_steps'] + r['trial_steps']) / len(r['lengths']):6.1%}"
+        f" {r['total_s']:8.2f} {r['median_s_after_4']:13.3f}"
+        f" {r['tokens_per_s']:6.0f}"
+        f"  {r['peak_reserved_gib']:.2f}/{r['peak_alloc_gib']:.2f}  {r['out_of_memory_steps']}"
+    )

@@ -29,6 +29,7 @@ from lightning_offload.planner.candidates import cheapest_plan
 from lightning_offload.planner.core import Planner
 from lightning_offload.planner.inputs import no_larger
 from lightning_offload.planner.profile import Plan, StepProfile
+from lightning_offload.planner.state import export_plans, restore_plans
 from lightning_offload.planner.trials import trial_plans
 from lightning_offload.stats import OffloadStats
 from lightning_offload.step_marks import StepMarks
@@ -2388,16 +2389,16 @@ def test_lengths_that_change_and_come_back_train_as_without_the_engine_under_pla
     assert checkpointed_modules(model) == []
 
 
-def test_a_new_input_does_not_time_plans_that_copy_again_once_another_inputs_trials_kept_one_without() -> None:
+def test_a_new_input_runs_the_kind_of_plan_another_inputs_trials_kept_without_timing_plans() -> None:
     """Every saved tensor the hooks bring back in backward costs time the model does not price (nor learns from
     forward's pace): the first input's trials time plans that copy against plans without and keep one without. A new
-    input (a longer batch) then times only plans without copies, where one fits: the same mispricing would make it
-    time, and lose, the plans that copy again. Alone, the same input would time plans that copy."""
+    input (a longer batch) then runs the cheapest plan without copies its trials would time, untimed: the same
+    mispricing would make it time, and lose, the plans that copy again. Alone, the same input times plans that copy."""
     small, large = torch.randn(BATCH, WIDTH), torch.randn(BATCH + BATCH // 2, WIDTH)
 
-    def plans_run(inputs: list[torch.Tensor]) -> tuple[list[int], BudgetPlanner]:
+    def plans_run(inputs: list[torch.Tensor]) -> tuple[list[int], int, BudgetPlanner]:
         _, model, _, engine = slow_hooked_engine(small, trials=True, hook="unpack")
-        offloaded = []
+        offloaded, trying = [], 0
         for x in inputs:
             step = step_on(engine, model, x)
             planner = engine.planner
@@ -2405,14 +2406,50 @@ def test_a_new_input_does_not_time_plans_that_copy_again_once_another_inputs_tri
             if x is large and not step["measuring"]:
                 assert planner.plan is not None
                 offloaded.append(planner.plan.offload_bytes)
-        return offloaded, planner
+                trying += planner.trying
+        return offloaded, trying, planner
 
-    alone, planner = plans_run([large] * 30)
-    assert not planner.trying and any(alone), "alone, the longer input times no plan that copies"
-    after, planner = plans_run([small] * 30 + [large] * 30)
+    alone, tried_alone, planner = plans_run([large] * 30)
+    assert not planner.trying and any(alone) and tried_alone > 0, "alone, the longer input times no plan that copies"
+    after, tried_after, planner = plans_run([small] * 30 + [large] * 30)
     assert not planner.trying and planner.plan is not None and planner.plan.fits
     assert after and not any(after), after
+    assert tried_after == 0  # no step of the new input was a trial
     assert len(after) == len(alone) + 1  # as a new input it measured once; alone, as the first, twice
+
+
+def test_where_copies_won_a_new_input_runs_a_plan_that_copies_without_timing_plans() -> None:
+    """Hooks that cost nothing: the first input's trials keep a plan that offloads (its copies hide behind compute,
+    recompute does not). A new input then runs the cheapest plan that offloads among those its trials would time,
+    untimed; alone, it times its plans (about 20 steps)."""
+    small, large = torch.randn(BATCH, WIDTH), torch.randn(BATCH + BATCH // 2, WIDTH)
+
+    def plans_run(inputs: list[torch.Tensor]) -> tuple[list[Plan], int, BudgetPlanner]:
+        act, model, memory = weights_on_the_device(small)
+        assert model.sim is not None
+        engine = planned_engine(6 * act, memory, model, model.sim, trials=True)
+        plans, trying = [], 0
+        for x in inputs:
+            step = step_on(engine, model, x)
+            planner = engine.planner
+            assert planner is not None
+            if x is large and not step["measuring"]:
+                assert planner.plan is not None and planner.plan.fits
+                plans.append(planner.plan)
+                trying += planner.trying
+        assert not planner.trying
+        return plans, trying, planner
+
+    alone, tried_alone, _ = plans_run([large] * 30)
+    assert tried_alone >= 8 and alone[-1].offload_bytes > 0
+    after, tried_after, planner = plans_run([small] * 30 + [large] * 30)
+    assert tried_after == 0
+    assert {p.offload_bytes > 0 for p in after} == {True}
+    # The lesson is carried with the plans (a resumed fit's new inputs run that kind too), through plain values.
+    assert planner.core.lesson == (True, False)
+    fresh = Planner(planner.core.budget)
+    assert restore_plans(fresh, json.loads(json.dumps(export_plans(planner.core)))) == 2
+    assert fresh.lesson == (True, False)
 
 
 @pytest.mark.parametrize("cache", [False, True])

@@ -41,7 +41,7 @@ from lightning_offload.planner.measuring import MEASURED_STEPS, measured, next_m
 from lightning_offload.planner.profile import Plan
 from lightning_offload.planner.steps import Directive, Notice, Observation, Phase, StepRecord, StepStart
 from lightning_offload.planner.trace import Trace
-from lightning_offload.planner.trials import PlanTrials, choose_plan, timing_key
+from lightning_offload.planner.trials import PlanKind, PlanTrials, choose_plan, timing_key
 
 _RECORDED_STEPS = 512
 
@@ -68,7 +68,7 @@ class Planner:
         self.book = InputBook()  # the current input's key and the other inputs' records
         self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
-        self.copies_lost = False  # the latest trials that compared plans with copies and without kept one without
+        self.lesson: PlanKind | None = None  # the kind of plan the latest trials that compared plans kept
         self.step = 0
         self.open: Directive | None = None  # the step in progress
         self.expandable = False
@@ -254,7 +254,7 @@ class Planner:
         self.trace.add("replan", measuring_steps)
         self.abandon()
         self.book.clear()
-        self.copies_lost = False
+        self.lesson = None
         self.rec.forget(measuring_steps)
 
     def _misled_if_lent(self, heavier: int | None) -> bool:
@@ -276,10 +276,10 @@ class Planner:
         plan that still fits, or the plans that fit now timed in turn)."""
         rec = self.rec
         assert rec.profile is not None
-        choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.copies_lost, memory)
+        choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.lesson, memory)
         if choice is None:
             return
-        plan, trial, self.copies_lost = choice
+        plan, trial, self.lesson = choice
         plan = dataclasses.replace(plan, fits=keeps_margin(plan, self.budget, self.fit_margin))
         previous, changed = rec.plan, plan != rec.plan
         rec.plan = plan

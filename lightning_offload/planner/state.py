@@ -74,7 +74,7 @@ def export_plans(planner: Planner) -> dict[str, Any]:
         "version": PLANS_VERSION,
         "budget": planner.budget,
         "machine": dataclasses.asdict(planner.machine),
-        "copies_lost": planner.copies_lost,
+        "lesson": None if planner.lesson is None else list(planner.lesson),
         "inputs": inputs,
     }
 
@@ -87,7 +87,8 @@ def restore_plans(planner: Planner, state: dict[str, Any]) -> int:
         return 0
     planner.trace.add("restore", state)
     planner.machine = Machine(**state["machine"])
-    planner.copies_lost = bool(state["copies_lost"])
+    lesson = state.get("lesson")
+    planner.lesson = None if lesson is None else (bool(lesson[0]), bool(lesson[1]))
     for key, rec_state in state["inputs"]:
         planner.book.keep(key_from_json(key), _record_from(rec_state, planner.rec.trials.enabled))
     return len(state["inputs"])

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_offload.planner import words
 from lightning_offload.planner.candidates import cheapest_plan, shape
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
@@ -73,6 +74,10 @@ class PlanTrials:
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
         self._stepped_down = False  # a plan below a flushing fastest one was added to this round
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
+
+    def settle(self) -> None:
+        """Nothing to time: the plan chosen runs as kept (another input's trials taught which kind of plan wins)."""
+        self.trying, self.done, self._compared = False, True, None
 
     def as_state(self) -> dict[str, Any]:
         """The trials as plain values (:meth:`from_state` reads them back)."""
@@ -297,25 +302,42 @@ def family_trials(within: Sequence[Plan]) -> dict[tuple[int, bool, int], Plan]:
     return chosen
 
 
+PlanKind = tuple[
+    bool, bool
+]  # what a plan does besides checkpointing: it offloads, it recomputes elementwise operations
+
+
+def plan_kind(plan: Plan) -> PlanKind:
+    """Whether ``plan`` offloads and whether it recomputes elementwise operations (light blocks): the two costs the
+    model misprices, by copies and by ``ELEMENTWISE_SHARE``."""
+    return bool(plan.offload_bytes), bool(plan.light_blocks)
+
+
 def choose_plan(
-    trials: PlanTrials, profile: StepProfile, candidates: list[Plan], copies_lost: bool, memory: bool
-) -> tuple[Plan, str, bool] | None:
+    trials: PlanTrials, profile: StepProfile, candidates: list[Plan], lesson: PlanKind | None, memory: bool
+) -> tuple[Plan, str, PlanKind | None] | None:
     """The next step's plan among ``candidates``: the model's cheapest, or while plans are under trial the next to
-    time, then the fastest timed; what the trials say of it; and whether plans with copies lost to one without
-    (``copies_lost``: another input's trials said so, and where a plan without copies fits, plans with are not timed
-    for a new input: the model misprices copies on this machine). Once plans were timed, only a correction towards
-    ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now timed in turn
-    (``None``: the plan stays)."""
-    if copies_lost and not trials.timed:
-        keeping = [p for p in candidates if not p.offload_bytes]
-        if any(p.fits for p in keeping):
-            candidates = keeping
+    time, then the fastest timed; what the trials say of it; and the kind of plan (:func:`plan_kind`) the latest trials
+    that timed more than one plan kept (``lesson``).
+
+    What the model misprices (the host's cost per copy, waits for copies, light blocks' recompute) is the model's and
+    the machine's, not the input's: where another input's trials kept a plan of one kind, a new input whose trials
+    would time a plan of that kind runs the cheapest such plan by the model, untimed. (Timed again, every length of a
+    run whose lengths change from batch to batch would spend some 20 steps on trials.) Once plans were timed, only a
+    correction towards ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now
+    timed in turn (``None``: the plan stays)."""
+    if lesson is not None and not trials.timed:
+        taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == lesson]
+        if taught:
+            trials.settle()
+            plan = min(taught, key=lambda p: (p.extra_ms, p.peak))
+            return plan, words.taught_by_other_trials(lesson), lesson
     plan = cheapest_plan(candidates)
     if trials.done and trials.timed:
         if not memory:
             return None
         plan = trials.after_correction(candidates) or plan
     chosen, trial = trials.choose(profile, candidates, memory)
-    if trials.done and chosen is not None and any(nbytes for _, nbytes, _, _ in trials.timed_plans()):
-        copies_lost = not chosen.offload_bytes
-    return chosen or plan, trial, copies_lost
+    if trials.done and chosen is not None and len(trials.timed_plans()) > 1:
+        lesson = plan_kind(chosen)
+    return chosen or plan, trial, lesson

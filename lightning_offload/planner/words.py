@@ -89,3 +89,12 @@ def emptying_cache(budget: int, reserved: int, peak: int) -> str:
         f"memory_budget={_gib(budget)}: the kept plan's first step found {_gib(reserved)} reserved for a {_gib(peak)} "
         "peak; emptying the cache once"
     )
+
+
+def taught_by_other_trials(kind: tuple[bool, bool]) -> str:
+    """Why a new input runs a plan untimed: the kind of plan (offloads, light blocks) another input's trials kept."""
+    offloads, light = kind
+    what = ("offloads" if offloads else "offloads nothing") + (
+        " and recomputes elementwise operations" if light else ""
+    )
+    return f"not timed (another input's trials kept a plan that {what}, and this input's trials would time one): "

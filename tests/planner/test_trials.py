@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_offload.planner.profile import Plan, StepProfile
-from lightning_offload.planner.trials import TRIAL_STEPS, PlanTrials
+from lightning_offload.planner.trials import TRIAL_STEPS, PlanTrials, choose_plan, plan_kind
 
 GiB = 1 << 30
 PROFILE = StepProfile(peak=0, resident=0, eligible=0, forward_ms=100.0, link_bytes_per_ms=1.0, backward_ms=150.0)
@@ -172,3 +172,60 @@ def test_a_step_down_is_timed_once_per_round() -> None:
     )
     assert [p.checkpoint_blocks for p in ran][-TRIAL_STEPS:] == [7] * TRIAL_STEPS
     assert kept == STEPPED[4]
+
+
+def _choose_until_kept(
+    trials: PlanTrials, lesson: tuple[bool, bool] | None
+) -> tuple[list[Plan], Plan, tuple[bool, bool] | None]:
+    """Choose through ``choose_plan`` as the planner does after each step, until no plan is under trial: the plans
+    the steps ran, the plan kept and the lesson after."""
+    ran: list[Plan] = []
+    choice = choose_plan(trials, PROFILE, CANDIDATES, lesson, memory=False)
+    assert choice is not None
+    plan, _, lesson = choice
+    while trials.trying:
+        ran.append(plan)
+        if trials.count(plan, STEP_MS[plan.checkpoint_blocks], pinned=False):
+            choice = choose_plan(trials, PROFILE, CANDIDATES, lesson, memory=False)
+            assert choice is not None
+            plan, _, lesson = choice
+    return ran, plan, lesson
+
+
+def test_trials_that_compared_plans_teach_the_kind_kept_and_a_new_input_runs_that_kind_untimed() -> None:
+    """The first input's trials time three plans and keep the one without copies: the lesson is that kind. A new
+    input (a new profile, nothing timed) then runs the cheapest plan without copies of those its trials would time,
+    without timing any; it says so."""
+    first = PlanTrials(enabled=True)
+    ran, kept, lesson = _choose_until_kept(first, None)
+    assert len(ran) == 3 * TRIAL_STEPS and kept == CANDIDATES[3]
+    assert lesson == plan_kind(kept) == (False, False)
+    second = PlanTrials(enabled=True)
+    choice = choose_plan(second, PROFILE, CANDIDATES, lesson, memory=False)
+    assert choice is not None
+    plan, words, after = choice
+    assert plan == CANDIDATES[3] and after == lesson
+    assert second.done and not second.trying and not second.timed
+    assert words.startswith("not timed (another input's trials kept a plan that offloads nothing")
+    # Later choices (a faster step taught, a correction towards memory) keep to the lesson while nothing was timed.
+    assert choose_plan(second, PROFILE, CANDIDATES, lesson, memory=True)[0] == CANDIDATES[3]  # type: ignore[index]
+
+
+def test_an_offloading_lesson_picks_the_cheapest_offloading_plan_the_trials_would_time() -> None:
+    """Where copies won, a new input runs the cheapest plan that offloads among those its trials would time."""
+    trials = PlanTrials(enabled=True)
+    plan, _, lesson = choose_plan(trials, PROFILE, CANDIDATES, (True, False), memory=False)  # type: ignore[misc]
+    assert plan == CANDIDATES[0] and lesson == (True, False) and not trials.trying
+
+
+def test_a_lesson_of_a_kind_the_trials_would_not_time_or_no_lesson_times_plans() -> None:
+    """No plan of the lesson's kind among those worth timing (here none recomputes elementwise operations), or no
+    lesson at all: the input's own trials run, and a plan that keeps everything is never displaced by a lesson."""
+    for lesson in (None, (False, True)):
+        trials = PlanTrials(enabled=True)
+        choice = choose_plan(trials, PROFILE, CANDIDATES, lesson, memory=False)
+        assert choice is not None and trials.trying and choice[0] == CANDIDATES[0], lesson
+    keeping = [Plan(0, 0, 10 * GiB, 0.0, True), *CANDIDATES]
+    trials = PlanTrials(enabled=True)
+    choice = choose_plan(trials, PROFILE, keeping, (True, False), memory=False)
+    assert choice is not None and choice[0] == keeping[0] and not trials.trying
