@@ -69,6 +69,7 @@ class Planner:
         self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
         self.lesson: PlanKind | None = None  # the kind of plan the latest trials that compared plans kept
+        self.trials_owner: Hashable = NO_INPUT  # the input whose plans are under trial (one input at a time)
         self.step = 0
         self.open: Directive | None = None  # the step in progress
         self.expandable = False
@@ -244,7 +245,7 @@ class Planner:
         self.rec, relearnt = self.book.switch(key, self.rec, self.machine, self.notices)
         if self.rec.measure_left > 0:
             return True
-        if relearnt:
+        if relearnt or self.rec.trials.not_begun:  # it waited for another input's trials: they may have ended
             self._choose()
         return False
 
@@ -255,6 +256,7 @@ class Planner:
         self.abandon()
         self.book.clear()
         self.lesson = None
+        self.trials_owner = NO_INPUT
         self.rec.forget(measuring_steps)
 
     def _misled_if_lent(self, heavier: int | None) -> bool:
@@ -276,7 +278,13 @@ class Planner:
         plan that still fits, or the plans that fit now timed in turn)."""
         rec = self.rec
         assert rec.profile is not None
-        choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.lesson, memory)
+        owner = self.trials_owner
+        elsewhere = owner is not NO_INPUT and not self.book.runs(owner) and self.book.holds(owner)
+        choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.lesson, memory, elsewhere)
+        if rec.trials.trying:
+            self.trials_owner = self.book.key
+        elif self.book.runs(owner) or not elsewhere:
+            self.trials_owner = NO_INPUT  # its trials ended (or the input whose trials ran was forgotten)
         if choice is None:
             return
         plan, trial, self.lesson = choice

@@ -75,6 +75,12 @@ class PlanTrials:
         self._stepped_down = False  # a plan below a flushing fastest one was added to this round
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
 
+    @property
+    def not_begun(self) -> bool:
+        """Whether the trials have neither begun nor ended (an input that ran the model's plan while another input's
+        trials were under way): its plan is chosen again as it comes back."""
+        return not (self.done or self.trying or self.timed)
+
     def settle(self) -> None:
         """Nothing to time: the plan chosen runs as kept (another input's trials taught which kind of plan wins)."""
         self.trying, self.done, self._compared = False, True, None
@@ -314,7 +320,12 @@ def plan_kind(plan: Plan) -> PlanKind:
 
 
 def choose_plan(
-    trials: PlanTrials, profile: StepProfile, candidates: list[Plan], lesson: PlanKind | None, memory: bool
+    trials: PlanTrials,
+    profile: StepProfile,
+    candidates: list[Plan],
+    lesson: PlanKind | None,
+    memory: bool,
+    trials_elsewhere: bool = False,
 ) -> tuple[Plan, str, PlanKind | None] | None:
     """The next step's plan among ``candidates``: the model's cheapest, or while plans are under trial the next to
     time, then the fastest timed; what the trials say of it; and the kind of plan (:func:`plan_kind`) the latest trials
@@ -323,7 +334,10 @@ def choose_plan(
     What the model misprices (the host's cost per copy, waits for copies, light blocks' recompute) is the model's and
     the machine's, not the input's: where another input's trials kept a plan of one kind, a new input whose trials
     would time a plan of that kind runs the cheapest such plan by the model, untimed. (Timed again, every length of a
-    run whose lengths change from batch to batch would spend some 20 steps on trials.) Once plans were timed, only a
+    run whose lengths change from batch to batch would spend some 20 steps on trials.) While another input's trials
+    are under way (``trials_elsewhere``) and nothing taught a kind yet, a new input runs the model's cheapest plan and
+    begins no trials of its own: lengths drawn at random all come before the first input's trials end, and would each
+    time their plans. Once plans were timed, only a
     correction towards ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now
     timed in turn (``None``: the plan stays)."""
     if lesson is not None and not trials.timed:
@@ -333,6 +347,8 @@ def choose_plan(
             plan = min(taught, key=lambda p: (p.extra_ms, p.peak))
             return plan, words.taught_by_other_trials(lesson), lesson
     plan = cheapest_plan(candidates)
+    if trials_elsewhere and trials.not_begun:
+        return plan, words.trials_elsewhere(), lesson
     if trials.done and trials.timed:
         if not memory:
             return None

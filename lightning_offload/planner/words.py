@@ -98,3 +98,8 @@ def taught_by_other_trials(kind: tuple[bool, bool]) -> str:
         " and recomputes elementwise operations" if light else ""
     )
     return f"not timed (another input's trials kept a plan that {what}, and this input's trials would time one): "
+
+
+def trials_elsewhere() -> str:
+    """Why a new input runs the model's plan untimed: another input's plans are under trial."""
+    return "not timed (another input's plans are under trial; what they teach decides this input's plan): "

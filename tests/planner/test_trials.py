@@ -229,3 +229,19 @@ def test_a_lesson_of_a_kind_the_trials_would_not_time_or_no_lesson_times_plans()
     trials = PlanTrials(enabled=True)
     choice = choose_plan(trials, PROFILE, keeping, (True, False), memory=False)
     assert choice is not None and choice[0] == keeping[0] and not trials.trying
+
+
+def test_while_another_inputs_plans_are_under_trial_a_new_input_runs_the_models_plan_and_waits() -> None:
+    """No lesson yet and another input's trials under way: the model's cheapest plan runs, no trial begins, and the
+    input's trials have not begun (it chooses again when it comes back). Once a lesson exists, it decides."""
+    trials = PlanTrials(enabled=True)
+    choice = choose_plan(trials, PROFILE, CANDIDATES, None, memory=False, trials_elsewhere=True)
+    assert choice is not None
+    plan, words, lesson = choice
+    assert plan == CANDIDATES[0] and lesson is None and not trials.trying and trials.not_begun
+    assert words.startswith("not timed (another input's plans are under trial")
+    choice = choose_plan(trials, PROFILE, CANDIDATES, (False, False), memory=False, trials_elsewhere=False)
+    assert choice is not None and choice[0] == CANDIDATES[3] and not trials.not_begun
+    # No trials elsewhere and no lesson: this input times its own plans.
+    own = PlanTrials(enabled=True)
+    assert choose_plan(own, PROFILE, CANDIDATES, None, memory=False) is not None and own.trying
