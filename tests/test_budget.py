@@ -2453,7 +2453,9 @@ def test_where_copies_won_a_new_input_runs_a_plan_that_copies_without_timing_pla
     assert fresh.lesson == (True, False)
 
 
-def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follow_its_lesson() -> None:
+def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follow_its_lesson(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Twelve lengths drawn at random, some fitting whole and the others only with a plan: every length comes before
     the first one's trials end. One input times its plans at a time; the others run the model's cheapest plan until
     those trials end, then the kind of plan they kept, untimed. Measuring and trial steps stay under 10% of the steps,
@@ -2467,6 +2469,7 @@ def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follo
     rng = random.Random(0)
     tried: dict[int, int] = {}
     measuring = 0
+    caplog.set_level(logging.DEBUG, logger="lightning_offload")
     for _ in range(1000):
         n = rng.choice(lengths)
         engine.input_changed((n, WIDTH))
@@ -2485,6 +2488,9 @@ def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follo
     share = (measuring + sum(tried.values())) / 1000
     assert share < 0.10, share
     assert planner.core.lesson is not None
+    # An input that waited is told so when its plan changes, not at every step that comes back to it.
+    waited = [r for r in caplog.records if "another input's plans are under trial" in r.getMessage()]
+    assert 0 < len(waited) <= 2 * len(lengths), len(waited)
 
 
 @pytest.mark.parametrize("cache", [False, True])

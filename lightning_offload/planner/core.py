@@ -297,7 +297,10 @@ class Planner:
         # the cache the steps before it left is worth emptying.
         if rec.trials.done and (trial or (previous is not None and timing_key(plan) != timing_key(previous))):
             rec.settling = True
-        if changed or trial:  # a warning where it does not fit: under a hard cap the next step runs out of memory
+        # Said where the plan changed or a trial moved on; a plan left untimed again (another input's trials, or their
+        # lesson) is not said at every step that chooses it. A warning where it does not fit: under a hard cap the
+        # next step runs out of memory.
+        if changed or (trial and not words.untimed(trial)):
             text = words.plan_chosen(self.budget, trial, plan, self.fit_margin, rec.base, rec.profile)
             self._say(logging.INFO if plan.fits else logging.WARNING, text, plan=True)
 

@@ -91,15 +91,23 @@ def emptying_cache(budget: int, reserved: int, peak: int) -> str:
     )
 
 
+_UNTIMED = "not timed ("
+
+
 def taught_by_other_trials(kind: tuple[bool, bool]) -> str:
     """Why a new input runs a plan untimed: the kind of plan (offloads, light blocks) another input's trials kept."""
     offloads, light = kind
     what = ("offloads" if offloads else "offloads nothing") + (
         " and recomputes elementwise operations" if light else ""
     )
-    return f"not timed (another input's trials kept a plan that {what}, and this input's trials would time one): "
+    return f"{_UNTIMED}another input's trials kept a plan that {what}, and this input's trials would time one): "
 
 
 def trials_elsewhere() -> str:
     """Why a new input runs the model's plan untimed: another input's plans are under trial."""
-    return "not timed (another input's plans are under trial; what they teach decides this input's plan): "
+    return f"{_UNTIMED}another input's plans are under trial; what they teach decides this input's plan): "
+
+
+def untimed(trial: str) -> bool:
+    """Whether ``trial`` says a plan runs untimed (:func:`taught_by_other_trials`, :func:`trials_elsewhere`)."""
+    return trial.startswith(_UNTIMED)
