@@ -2453,6 +2453,17 @@ def test_where_copies_won_a_new_input_runs_a_plan_that_copies_without_timing_pla
     assert fresh.lesson == (True, False)
 
 
+def lengths_under_a_budget(count: int) -> tuple[Stack, OffloadEngine, dict[int, torch.Tensor]]:
+    """A model, a planned engine with trials and ``count`` inputs of lengths up to ``BATCH``, under a budget that the
+    shorter lengths fit whole and the longer ones only with a plan."""
+    lengths = [BATCH * k // count for k in range(1, count + 1)]
+    act = activation_bytes(torch.randn(BATCH, WIDTH))
+    sim = SimulatedStreams(lag=0, bytes_per_ms=float(1 << 20))
+    model = Stack(sim)
+    engine = planned_engine(act * 3 // 4, FakeMemory(base=0, transient=act // 4), model, sim, trials=True)
+    return model, engine, {n: torch.randn(n, WIDTH) for n in lengths}
+
+
 def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follow_its_lesson(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -2460,12 +2471,8 @@ def test_twelve_lengths_at_random_time_plans_for_one_length_and_the_others_follo
     the first one's trials end. One input times its plans at a time; the others run the model's cheapest plan until
     those trials end, then the kind of plan they kept, untimed. Measuring and trial steps stay under 10% of the steps,
     where each length timing its own plans spent 8.9% (7 lengths timed plans)."""
-    lengths = [BATCH * k // 12 for k in range(1, 13)]
-    act = activation_bytes(torch.randn(BATCH, WIDTH))
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(1 << 20))
-    model = Stack(sim)
-    engine = planned_engine(act * 3 // 4, FakeMemory(base=0, transient=act // 4), model, sim, trials=True)
-    inputs = {n: torch.randn(n, WIDTH) for n in lengths}
+    model, engine, inputs = lengths_under_a_budget(12)
+    lengths = list(inputs)
     rng = random.Random(0)
     tried: dict[int, int] = {}
     measuring = 0

@@ -22,11 +22,7 @@ from lightning_offload.units import GiB
 from tests.test_budget import (
     BATCH,
     WIDTH,
-    FakeMemory,
-    SimulatedStreams,
-    Stack,
-    activation_bytes,
-    planned_engine,
+    lengths_under_a_budget,
     run_steps,
     slow_hooked_engine,
     step_on,
@@ -48,12 +44,8 @@ def _trials_on_slow_hooks() -> dict[str, Any]:
 
 def _lengths_at_random() -> dict[str, Any]:
     """Six lengths drawn at random for 60 steps under a budget some fit whole and others only with a plan."""
-    lengths = [BATCH * k // 6 for k in range(1, 7)]
-    act = activation_bytes(torch.randn(BATCH, WIDTH))
-    sim = SimulatedStreams(lag=0, bytes_per_ms=float(1 << 20))
-    model = Stack(sim)
-    engine = planned_engine(act * 3 // 4, FakeMemory(base=0, transient=act // 4), model, sim, trials=True)
-    inputs = {n: torch.randn(n, WIDTH) for n in lengths}
+    model, engine, inputs = lengths_under_a_budget(6)
+    lengths = list(inputs)
     rng = random.Random(0)
     for _ in range(60):
         n = rng.choice(lengths)
