@@ -14,7 +14,8 @@ one arm per process (the host pool is the process's)::
     CAP=1 python -m benchmarks.dynamic_lengths out.json replan_every_change 32 8192 16384 2048
     BUDGET=auto python -m benchmarks.dynamic_lengths out.json none 48 8192 16384 512
 
-``LEND=0``: the host pool never serves a request from a larger idle buffer (as before it could).
+``LEND=0``: the host pool never serves a request from a larger idle buffer (as before it could). ``LEND_PLANS=0``: a
+new input is never lent the plan of a larger one that keeps everything (it measures instead).
 """
 
 import contextlib
@@ -42,6 +43,10 @@ if os.environ.get("LEND") == "0":  # the host pool as it was: no request served 
     from lightning_offload.host_pool import HostPool
 
     HostPool._larger_to_lend = lambda self, cls, limit: None  # type: ignore[method-assign]
+if os.environ.get("LEND_PLANS") == "0":  # a new input measures even where a larger one's plan keeps everything
+    from lightning_offload.planner.book import InputBook
+
+    InputBook.lend = lambda self, key: None  # type: ignore[method-assign]
 if capped and cuda:
     if budget == "auto":
         raise SystemExit("CAP=1 caps the process at the budget: give BUDGET in GiB (e.g. 6GiB)")

@@ -25,12 +25,26 @@ class InputBook:
 
     def __init__(self) -> None:
         self.key: Hashable = NO_INPUT
+        self.trials_owner: Hashable = NO_INPUT  # the input whose plans are under trial (one input at a time)
         self._kept: OrderedDict[Hashable, InputRecord] = OrderedDict()
         self._misled: OrderedDict[Hashable, None] = OrderedDict()
 
     def runs(self, key: Hashable) -> bool:
         """Whether ``key`` names the current input (``None`` is a key like any other; before any, none does)."""
         return self.key is not NO_INPUT and key == self.key
+
+    def trials_elsewhere(self) -> bool:
+        """Whether a kept input (not the current one) has its plans under trial."""
+        owner = self.trials_owner
+        return owner is not NO_INPUT and not self.runs(owner) and self.holds(owner)
+
+    def trials_run(self, trying: bool, elsewhere: bool) -> None:
+        """The current input's plan was chosen: it owns the trials while its plans are ``trying``; else the trials end
+        where they were its own, or no longer run ``elsewhere`` (they ended, or their input was forgotten)."""
+        if trying:
+            self.trials_owner = self.key
+        elif self.runs(self.trials_owner) or not elsewhere:
+            self.trials_owner = NO_INPUT
 
     def holds(self, key: Hashable) -> bool:
         """Whether a record of ``key`` is kept."""
@@ -108,6 +122,7 @@ class InputBook:
         """Forget every kept input (the model or the optimizer changed)."""
         self._kept.clear()
         self._misled.clear()
+        self.trials_owner = NO_INPUT
 
     def ran(self, step: int) -> InputRecord | None:
         """The kept record whose plan ran step ``step``, where that plan offloads."""

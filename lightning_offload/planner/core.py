@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from lightning_offload.planner import words
-from lightning_offload.planner.aims import cache_worth_emptying, fit_margin, keeping_aim, plan_aim
+from lightning_offload.planner.aims import cache_worth_emptying, keeping_aim, plan_aim
 from lightning_offload.planner.book import NO_INPUT, InputBook
 from lightning_offload.planner.candidates import offered_plans
 from lightning_offload.planner.corrections import (
@@ -69,7 +69,6 @@ class Planner:
         self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
         self.lesson: PlanKind | None = None  # the kind of plan the latest trials that compared plans kept
-        self.trials_owner: Hashable = NO_INPUT  # the input whose plans are under trial (one input at a time)
         self.step = 0
         self.open: Directive | None = None  # the step in progress
         self.expandable = False
@@ -85,13 +84,7 @@ class Planner:
     profile = property(lambda self: self.rec.profile)  # the current input's measured step, as corrected
     empties_cache = property(lambda self: self._release_cache)  # before the next step (its directive says so too)
 
-    @property
-    def fit_margin(self) -> int:
-        """How far below the budget every plan's predicted peak stays (:func:`~.aims.fit_margin`)."""
-        p = self.rec.profile
-        if p is None:
-            return fit_margin(self.budget, self.rec.base, 0)
-        return fit_margin(self.budget, p.base or self.rec.base, p.fit_error, p.pressed_error)
+    fit_margin = property(lambda self: self.rec.fit_margin(self.budget))  # how far below the budget plans stay
 
     @property
     def plan_budget(self) -> int:
@@ -256,7 +249,6 @@ class Planner:
         self.abandon()
         self.book.clear()
         self.lesson = None
-        self.trials_owner = NO_INPUT
         self.rec.forget(measuring_steps)
 
     def _misled_if_lent(self, heavier: int | None) -> bool:
@@ -278,13 +270,9 @@ class Planner:
         plan that still fits, or the plans that fit now timed in turn)."""
         rec = self.rec
         assert rec.profile is not None
-        owner = self.trials_owner
-        elsewhere = owner is not NO_INPUT and not self.book.runs(owner) and self.book.holds(owner)
+        elsewhere = self.book.trials_elsewhere()
         choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.lesson, memory, elsewhere)
-        if rec.trials.trying:
-            self.trials_owner = self.book.key
-        elif self.book.runs(owner) or not elsewhere:
-            self.trials_owner = NO_INPUT  # its trials ended (or the input whose trials ran was forgotten)
+        self.book.trials_run(rec.trials.trying, elsewhere)
         if choice is None:
             return
         plan, trial, self.lesson = choice
@@ -306,10 +294,10 @@ class Planner:
 
     def cache_worth_emptying(self, peak: int, reserved: int) -> bool:
         """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding
-        ``reserved`` bytes, far more than that and than the plans of the other inputs kept predict, while the budget
-        has room for a layout mapped afresh: the cache is then emptied once, before the next step."""
+        ``reserved`` bytes, far more than that and than the other inputs' kept plans predict, while the budget has room
+        for a layout mapped afresh (:func:`~.aims.cache_worth_emptying`): the cache is then emptied once."""
         peak = max([peak, *self.book.peaks()])
-        if not cache_worth_emptying(reserved, peak, self.budget):
-            return False
-        self._say(logging.DEBUG, words.emptying_cache(self.budget, reserved, peak))
-        return True
+        worth = cache_worth_emptying(reserved, peak, self.budget)
+        if worth:
+            self._say(logging.DEBUG, words.emptying_cache(self.budget, reserved, peak))
+        return worth

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
+from lightning_offload.planner.aims import fit_margin
 from lightning_offload.planner.measure import MeasuredPeaks
 from lightning_offload.planner.profile import BlockSizes, Plan, StepProfile
 from lightning_offload.planner.steps import Phase
@@ -63,6 +64,14 @@ class InputRecord:
         if self.profile is None or self.plan is None or self.measure_left > 0:
             return Phase.MEASURING
         return Phase.TRYING if self.trials.trying else Phase.PLANNED
+
+    def fit_margin(self, budget: int) -> int:
+        """How far below ``budget`` every plan's predicted peak stays (:func:`~.aims.fit_margin`): the prior, then at
+        least the largest errors this input's planned steps showed."""
+        p = self.profile
+        if p is None:
+            return fit_margin(budget, self.base, 0)
+        return fit_margin(budget, p.base or self.base, p.fit_error, p.pressed_error)
 
     def forget(self, measuring_steps: int) -> None:
         """Drop the profile and plan: the next ``measuring_steps`` steps measure (whatever was learnt of the blocks
