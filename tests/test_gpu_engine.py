@@ -17,6 +17,7 @@ from lightning_offload import offload_activations
 from lightning_offload.checkpointing import apply_checkpointing, remove_checkpointing
 from lightning_offload.host_pool import pool_for
 from lightning_offload.planner.candidates import plan_candidates
+from lightning_offload.planner.trials import _TRIAL_MAX_STEPS, _TRIAL_ROUNDS
 from tests import processes
 from tests.models import Attention, assert_inplace_error_or_exact_grad
 
@@ -362,7 +363,9 @@ def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) ->
 def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> None:
     """A budget below the plain peak: after the two measuring steps every step's peak is within the budget, under a hard
     cap at the budget (an allocation past it raises), the plans under trial's included, and the gradients equal the
-    plain ones; the trials end on a plan that fits."""
+    plain ones; the trials end on a plan that fits, within the steps their rules allow (each plan at most
+    ``_TRIAL_MAX_STEPS`` steps, the plans of a round and one below a flushing fastest, at most ``_TRIAL_ROUNDS``
+    rounds)."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=12).cuda()
     tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
@@ -375,16 +378,22 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     torch.cuda.set_per_process_memory_fraction(budget / total)
     try:
         peaks = []
-        # Measuring, up to 5 plans under trial (3 without light blocks, 2 with) for 4 steps each, the plan kept.
-        for _ in range(2 + 5 * 4 + 2):
+        # Two measuring steps; trials of up to 5 plans (3 without light blocks, 2 with) and one below a flushing
+        # fastest, each at most _TRIAL_MAX_STEPS steps, in at most _TRIAL_ROUNDS rounds; then two of the plan kept.
+        most_trial_steps = _TRIAL_ROUNDS * (5 + 1) * _TRIAL_MAX_STEPS
+        kept_steps = 0
+        while kept_steps < 2:
+            assert len(peaks) < 2 + most_trial_steps + 2, "the trials ran past what their rules allow"
             peak, grads = _step_peak(model, tokens, engine)
             peaks.append(peak)
             for ref, got in zip(reference, grads, strict=True):
                 assert torch.equal(ref, got)
+            planner = engine.planner
+            assert planner is not None
+            kept_steps = kept_steps + 1 if len(peaks) > 2 and not planner.trying else 0
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert engine.planner is not None and engine.planner.plan is not None and engine.planner.plan.fits
-    assert not engine.planner.trying
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 

@@ -29,10 +29,12 @@ def next_measure(rec: InputRecord, budget: int, plan_budget: int, allocated: int
     rec.base, rec.frugal_next = allocated, False
     warnings = []
     expected = rec.peaks.next_frugal_peak(allocated) if frugal and rec.full_block is not None else 0
-    if expected > budget:  # as frugal as any plan, and expected to pass the budget
+    # As frugal as any plan, and expected past what plans aim for: no plan keeps the fit margin (under a hard cap the
+    # allocator's fragments take such a step past the budget), so it is said before the step, not after it fails.
+    if expected > plan_budget:
         held = rec.peaks.backward_peak or rec.peaks.peak
         grown = max(0, allocated - rec.peaks.base)
-        warnings.append(words.frugal_step_passes(budget, expected, held, grown, rec.base))
+        warnings.append(words.frugal_step_passes(budget, expected, held, grown, rec.base, plan_budget))
     if rec.base >= budget and rec.profile is None:
         warnings.append(words.budget_taken(budget, rec.base))
     return measure, warnings

@@ -73,14 +73,23 @@ def plan_chosen(budget: int, trial: str, plan: Plan, margin: int, base: int, pro
     )
 
 
-def frugal_step_passes(budget: int, expected: int, held: int, grown: int, base: int) -> str:
+def frugal_step_passes(budget: int, expected: int, held: int, grown: int, base: int, aim: int) -> str:
+    # Past the budget it cannot run under a hard limit; within the margin below it, it may (the estimate counts one
+    # block run in full, which plans need not) or the allocator's fragments may take it past.
+    within = expected <= budget
+    where = f", within the fit margin below the budget (plans aim at {_gib(aim)})" if within else ""
+    verdict = (
+        "it may run out of memory there (the allocator's fragments count against a hard limit), and then"
+        if within
+        else "then"
+    )
     return (
         f"memory_budget={_gib(budget)}: the next step, measuring and as frugal as any plan, should need about "
-        f"{_gib(expected)}: the one before it peaked at {_gib(held)} by the end of its backward, and {_gib(grown)} "
-        f"more are allocated now (the optimizer's state). Weights, gradients and optimizer state take {_gib(base)}; "
-        "the step's other transients (the loss and logits among them; every activation leaves) "
-        f"{_gib(expected - base)}. If this is a hard limit, the model does not train at this input size within it: "
-        "a shorter sequence or a smaller batch, or a budget above that"
+        f"{_gib(expected)}{where}: the one before it peaked at {_gib(held)} by the end of its backward, and "
+        f"{_gib(grown)} more are allocated now (the optimizer's state). Weights, gradients and optimizer state take "
+        f"{_gib(base)}; the step's other transients (the loss and logits among them; every activation leaves) "
+        f"{_gib(expected - base)}. If this is a hard limit, {verdict} the model does not train at this input size "
+        "within it: a shorter sequence or a smaller batch, or a budget above that"
     )
 
 

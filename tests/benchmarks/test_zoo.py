@@ -117,7 +117,7 @@ def test_the_floor_counts_as_said_by_every_message_that_says_so_before_a_step() 
     gib = 1 << 30
     assert zoo.said_floor_over(words.resting_floor_over(gib, gib, gib, 2 * gib, ("AdamW",)))
     assert zoo.said_floor_over(words.budget_taken(gib, 2 * gib))
-    assert zoo.said_floor_over(words.frugal_step_passes(gib, 2 * gib, gib, gib, gib))
+    assert zoo.said_floor_over(words.frugal_step_passes(gib, 2 * gib, gib, gib, gib, gib))
     assert not zoo.said_floor_over(words.base_grew(gib, gib))
 
 
