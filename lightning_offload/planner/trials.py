@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_offload.planner import words
-from lightning_offload.planner.candidates import cheapest_plan, shape
+from lightning_offload.planner.candidates import cheapest_plan, cost_order, shape
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
 
@@ -271,7 +271,7 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
     fitting = [p for p in candidates if p.fits]
     if not fitting:
         return []
-    best = min(fitting, key=lambda p: (p.extra_ms, p.peak))
+    best = min(fitting, key=cost_order)
     if not best.offload_bytes and not best.checkpoint_blocks and not best.light_blocks:
         return [best]
     step_ms = profile.forward_ms + (profile.backward_ms or 2 * profile.forward_ms)
@@ -283,7 +283,7 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
     light = [p for p in within if p.light_blocks]
     for family in (light, [p for p in light if not p.offload_bytes]):
         if family:
-            cheapest = min(family, key=lambda p: (p.extra_ms, p.peak))
+            cheapest = min(family, key=cost_order)
             chosen.setdefault(shape(cheapest), cheapest)
     return sorted(chosen.values(), key=lambda p: (-p.offload_bytes, p.checkpoint_blocks, p.split, p.light_blocks))
 
@@ -291,11 +291,11 @@ def trial_plans(profile: StepProfile, candidates: Sequence[Plan]) -> list[Plan]:
 def family_trials(within: Sequence[Plan]) -> dict[tuple[int, bool, int], Plan]:
     """Of plans without light blocks: the cheapest, the cheapest without copies and one halfway between where they
     are far apart, or the one with the fewest copies where every plan offloads."""
-    best = min(within, key=lambda p: (p.extra_ms, p.peak))
+    best = min(within, key=cost_order)
     chosen = {shape(best): best}
     keeping = [p for p in within if not p.offload_bytes]
     if keeping:
-        plain = min(keeping, key=lambda p: (p.extra_ms, p.peak))
+        plain = min(keeping, key=cost_order)
         chosen.setdefault(shape(plain), plain)
         low, high = sorted((best.checkpoint_blocks, plain.checkpoint_blocks))
         if high - low >= TRIAL_SPREAD:
@@ -344,7 +344,7 @@ def choose_plan(
         taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == lesson]
         if taught:
             trials.settle()
-            plan = min(taught, key=lambda p: (p.extra_ms, p.peak))
+            plan = min(taught, key=cost_order)
             return plan, words.taught_by_other_trials(lesson), lesson
     plan = cheapest_plan(candidates)
     if trials_elsewhere and trials.not_begun:

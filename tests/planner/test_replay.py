@@ -258,3 +258,24 @@ def test_a_plan_whose_step_reserved_up_to_the_cap_stops_fitting() -> None:
     assert planner.profile.pressed_error >= observed[14]["reserved_peak"] - failing["peak"] + int(0.02 * budget)
     assert answers[15]["phase"] == "trying" and answers[15]["plan"]["peak"] < failing["peak"]
     assert answers[15]["plan"]["peak"] + planner.fit_margin <= budget < failing["peak"] + planner.fit_margin
+
+
+@pytest.mark.parametrize("device", ["h100", "h200"])
+def test_at_equal_cost_the_trials_time_blocks_checkpointed_whole_before_by_their_parts(device: str) -> None:
+    """Zoo row 39 (a 4-layer Llama of width 768 under a 0.44 GiB cap, ``offload_activations``), on an H100 and on an
+    H200 (2026-12-05): the model priced the 4 blocks checkpointed whole and by their parts at the same 7.4 ms, and
+    the lower peak broke the tie, so the trials timed the plan by parts (more regions to rebuild: host work the model
+    does not price) and never the plan of every block whole, which is checkpointing's own; the plan kept ran at
+    1.16-1.17x checkpointing. Told the same steps, the trials now time the plan of every block whole instead."""
+    trace = _zoo_trace("39-llama-h768x4-mha-v1024-b2x1024-bf16-sgd-context", device)
+    recorded = recorded_answers(trace)
+    by_parts = [a["plan"] for a in recorded if a["phase"] == "trying" and a["plan"]["split"]]
+    assert by_parts and by_parts[0]["checkpoint_blocks"] == 4
+    assert not any(
+        a["phase"] == "trying" and a["plan"]["checkpoint_blocks"] == 4 and not a["plan"]["split"] for a in recorded
+    )
+    planner, answers = replay(trace)
+    tried = [a["plan"] for a in answers if a["phase"] == "trying"]
+    assert any(p["checkpoint_blocks"] == 4 and not p["split"] and not p["light_blocks"] for p in tried)
+    assert not any(p["split"] for p in tried)
+    assert answers[-1]["phase"] == "planned" and planner.plan is not None and planner.plan.fits
