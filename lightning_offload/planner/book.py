@@ -38,12 +38,12 @@ class InputBook:
         owner = self.trials_owner
         return owner is not NO_INPUT and not self.runs(owner) and self.holds(owner)
 
-    def trials_run(self, trying: bool, elsewhere: bool) -> None:
+    def trials_run(self, trying: bool) -> None:
         """The current input's plan was chosen: it owns the trials while its plans are ``trying``; else the trials end
-        where they were its own, or no longer run ``elsewhere`` (they ended, or their input was forgotten)."""
+        where they were its own, or no longer run elsewhere (they ended, or their input was forgotten)."""
         if trying:
             self.trials_owner = self.key
-        elif self.runs(self.trials_owner) or not elsewhere:
+        elif self.runs(self.trials_owner) or not self.trials_elsewhere():
             self.trials_owner = NO_INPUT
 
     def holds(self, key: Hashable) -> bool:

@@ -272,7 +272,7 @@ class Planner:
         assert rec.profile is not None
         elsewhere = self.book.trials_elsewhere()
         choice = choose_plan(rec.trials, rec.profile, self.candidates(), self.lesson, memory, elsewhere)
-        self.book.trials_run(rec.trials.trying, elsewhere)
+        self.book.trials_run(rec.trials.trying)
         if choice is None:
             return
         plan, trial, self.lesson = choice
