@@ -4,8 +4,8 @@ One model, one batch, the same weights throughout (no optimizer step): a plain s
 a second plain step says whether the workload's kernels are deterministic at all, then each arm's gradients are
 compared with the reference, parameter by parameter. Arms: ``default`` (``offload_activations(model=...)``, its first
 four steps: two measuring, then its plan), ``keep`` (the engine's hooks on every saved tensor, nothing offloaded),
-``manual`` (no budget, the default options: everything but the resident tail leaves) and ``all`` (every saved tensor
-leaves, however small). Prints, per arm and step, the largest relative difference
+``manual`` (no budget, the default options: everything but the resident tail leaves), ``all`` (every saved tensor
+leaves, however small) and ``all-sync`` (the same, copied on the compute stream). Prints, per arm and step, the largest relative difference
 (max |g - g_plain| / max |g_plain| over a parameter) and the parameters that differ; writes them as JSON (``--out``).
 
     python -m benchmarks.grad_check --workload small-h512 --out grads.json
@@ -28,6 +28,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "keep": {"memory_budget": None, "max_offload_bytes": 0},
     "manual": {"memory_budget": None},
     "all": {"memory_budget": None, "resident_tail_bytes": 0, "min_tensor_bytes": 0},
+    # The same copies on the compute stream: where ``all`` differs and this does not, the copy streams' ordering is
+    # at fault, not the bytes or where they are put back.
+    "all-sync": {"memory_budget": None, "resident_tail_bytes": 0, "min_tensor_bytes": 0, "mode": "sync"},
 }
 
 

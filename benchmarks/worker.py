@@ -678,6 +678,9 @@ class Runner:
             row["plan_trials"] = [[k, b / GiB, ms, j] for k, b, ms, j in getattr(planner, "timed_plans", [])]
             # ... and each one's timed steps, in the order the plans ran: blocks, GiB, light blocks, device ms per step.
             row["plan_trial_steps"] = [[k, b / GiB, j, ms] for k, b, j, ms in getattr(planner, "trial_steps", [])]
+            core = getattr(planner, "core", None)
+            if core is not None:  # what the planner was told and answered, for replay (lightning_offload/planner/trace.py)
+                row["trace"] = core.trace.as_dict()
 
     def _compare_grads(self, mode: Mode) -> float | None:
         """Largest, over trainable tensors, of max|g - g_none| / max|g_none| for the first step's gradients."""

@@ -13,7 +13,7 @@ def test_every_arm_reports_its_gradients_bit_equal_to_a_plain_step_on_the_cpu(tm
     done = run_on_cpu("benchmarks.grad_check", "--workload", "small-h512", "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
-    arms = ["plain again", *(f"default step {i}" for i in range(1, 5)), "keep", "manual", "all"]
+    arms = ["plain again", *(f"default step {i}" for i in range(1, 5)), "keep", "manual", "all", "all-sync"]
     assert all(results[arm] == {} for arm in arms), results  # no parameter's gradient differs
     assert results["keep offloaded GiB"] == 0 and results["all offloaded GiB"] > 0
     assert "all " in done.stdout and "largest 0 in 0 parameter(s)" in done.stdout
