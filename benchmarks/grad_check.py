@@ -5,8 +5,9 @@ a second plain step says whether the workload's kernels are deterministic at all
 compared with the reference, parameter by parameter. Arms: ``default`` (``offload_activations(model=...)``, its first
 four steps: two measuring, then its plan), ``keep`` (the engine's hooks on every saved tensor, nothing offloaded),
 ``manual`` (no budget, the default options: everything but the resident tail leaves), ``all`` (every saved tensor
-leaves, however small) and ``all-sync`` (the same, copied on the compute stream). Prints, per arm and step, the largest relative difference
-(max |g - g_plain| / max |g_plain| over a parameter) and the parameters that differ; writes them as JSON (``--out``).
+leaves, however small) and ``all-sync`` (the same, copied on the compute stream). Prints, per arm and step, the
+largest relative difference (max |g - g_plain| / max |g_plain| over a parameter) and the parameters that differ;
+writes them as JSON (``--out``).
 
     python -m benchmarks.grad_check --workload small-h512 --out grads.json
 """

@@ -679,7 +679,8 @@ class Runner:
             # ... and each one's timed steps, in the order the plans ran: blocks, GiB, light blocks, device ms per step.
             row["plan_trial_steps"] = [[k, b / GiB, j, ms] for k, b, j, ms in getattr(planner, "trial_steps", [])]
             core = getattr(planner, "core", None)
-            if core is not None:  # what the planner was told and answered, for replay (lightning_offload/planner/trace.py)
+            # What the planner was told and answered, for replay (lightning_offload/planner/trace.py).
+            if core is not None:
                 row["trace"] = core.trace.as_dict()
 
     def _compare_grads(self, mode: Mode) -> float | None:
