@@ -10,8 +10,9 @@ Each configuration runs in a fresh process (forked before CUDA is initialised) a
 cap (its peak sets the cap), then under a hard cap of 0.5-0.9 of that peak (``set_per_process_memory_fraction``)
 ``planned`` (``memory_budget`` = the cap) and ``ac`` (HF or torch activation checkpointing of every block, no
 offloading). A row says whether the planner's floor fits, how many out-of-memory errors planned or trial steps met,
-the step time against ``none`` and ``ac`` (the planned arm's last 4 batches, once 5 in a row ran a kept plan: the steps
-a long fit runs), how many steps measured or timed plans, and the planner's prediction error per phase.
+the step time against ``none`` and ``ac`` (the median of each arm's last 4 batches, or of about 0.3 s of batches where
+they are short, up to 16; the planned arm's once one more in a row ran a kept plan: the steps a long fit runs), how
+many steps measured or timed plans, and the planner's prediction error per phase.
 
     python -m benchmarks.zoo --part 1/3 --out benchmarks/out/zoo-1.json   # on a GPU, one part of the zoo
     python -m benchmarks.zoo --merge benchmarks/out/zoo-*.json --out benchmarks/results/zoo/2026-12-03.json
@@ -335,6 +336,11 @@ def make_optimizer(config: dict[str, Any], params: Any) -> Any:
 SETTLE = 5
 # Batches of the arms without a planner: the first warms up, the last 4 are timed.
 PLAIN_BATCHES = 6
+# Each arm times at least 4 batches and, where a batch is short, about TIMED_S seconds of them (at most TIMED_MAX): a
+# host-bound step of a few milliseconds drifts between arms run one after another by more than the 10% compared, and
+# a median of 4 such batches moved a row by 0.5x checkpointing between runs.
+TIMED_S = 0.3
+TIMED_MAX = 16
 _SNAPSHOT = False  # record the allocator's history in planned arms and summarise what was live at an out of memory
 
 
@@ -397,6 +403,14 @@ class ArmRecord:
         """Whether the last ``batches`` batches all ran a kept plan (``batches`` 0: never; the arm runs all its
         batches)."""
         return 0 < batches <= len(self.kinds) and all(kind == "planned" for kind in self.kinds[-batches:])
+
+    def timed_batches(self) -> int:
+        """How many batches each arm times, from this (plain) arm's pace: about :data:`TIMED_S` seconds, 4 to
+        :data:`TIMED_MAX`."""
+        pace = self.step_seconds()
+        if not pace:
+            return 4
+        return max(4, min(TIMED_MAX, math.ceil(TIMED_S / pace)))
 
     def step_seconds(self, last: int = 4) -> float | None:
         """The median of the last ``last`` batches' times (``None``: the arm ran out of memory or too few ran)."""
@@ -774,7 +788,14 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     runner = RUNNERS[config["entry"]]
     row: dict[str, Any] = {"config": config["name"], "entry": config["entry"], "settings": config}
     none = runner(config, "none", PLAIN_BATCHES, None, device)
+    timed = none.timed_batches() if not tiny else 4  # (the CPU run checks the rig, not the pace)
+    # Batches (optimizer steps) an arm without a planner runs to time `timed` of its batches after two warm-up steps.
+    plain = max(PLAIN_BATCHES, 2 + math.ceil(timed / config["accumulate"]))
+    if plain > PLAIN_BATCHES and none.oom is None and none.error is None:
+        _free(device)
+        none = runner(config, "none", plain, None, device)  # short batches: again, with enough of them timed
     row["none_peak_gib"] = none.peak / GiB
+    row["timed_batches"] = timed
     if none.oom is not None or none.error is not None:
         row["error"] = "none ran out of memory uncapped"
         return row
@@ -787,14 +808,17 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     row["cap_gib"] = cap / GiB if cap else None
     # Checkpointing runs before the planned arm: a planned arm that left memory allocated (zoo row 22 on an H100: the
     # ac arm then could not build its model under the cap) would take it from the arm it is compared with.
-    ac = runner(config, "ac", PLAIN_BATCHES, None, device)
+    ac = runner(config, "ac", plain, None, device)
     _free(device)
     handler = _PlannerLog()
     logging.getLogger("lightning_offload").addHandler(handler)
     if _SNAPSHOT and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200000)
     try:
-        planned = runner(config, "planned", steps, cap, device, settle=SETTLE)
+        # Room for the batches timed past the ones the planner measures and times plans in.
+        settle = max(SETTLE, timed + 1)
+        planned_steps = steps + math.ceil((settle - SETTLE) / config["accumulate"])
+        planned = runner(config, "planned", planned_steps, cap, device, settle=settle)
     finally:
         logging.getLogger("lightning_offload").removeHandler(handler)
         if _SNAPSHOT and device.type == "cuda":
@@ -803,7 +827,7 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     _free(device)
     # What the planned arm left allocated once its model, optimizer and engine are gone (0 where nothing leaked).
     row["left_allocated_gib"] = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else 0.0
-    none_s, ac_s, planned_s = none.step_seconds(), ac.step_seconds(), planned.step_seconds()
+    none_s, ac_s, planned_s = none.step_seconds(timed), ac.step_seconds(timed), planned.step_seconds(timed)
     oom_kind = planned.oom["kind"] if planned.oom else None
     # The floor: the least any plan can hold. The optimizer's step holds what no plan changes (weights, gradients,
     # its state and its transient: measured in `none`), and the measuring steps are the most frugal steps there are.
@@ -933,7 +957,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"{meta.get('device', '')}; torch {meta.get('torch', '')}; seed {meta.get('seed')}; {len(rows)} "
         "configurations, each in a fresh process. Cap = budget = `fraction` x the uncapped peak. Ratios: median of "
-        "the last 4 batches' time against the same entry point without offloading (`none`, uncapped) and with every "
+        "the last 4 batches' time (of about 0.3 s of batches where they are short, up to 16) against the same entry "
+        "point without offloading (`none`, uncapped) and with every "
         "block checkpointed under the same cap (`ac`; - where it ran out of memory).",
         "",
         "| config | cap GiB | floor fits | OOM planned | x none | x ac | ac fits | measuring+trial / batches | plan |",
@@ -965,8 +990,8 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         type=int,
         default=40,
-        help=f"most batches of the planned arm (it ends once {SETTLE} in a row ran a kept plan; none and ac run "
-        f"{PLAIN_BATCHES})",
+        help=f"most batches of the planned arm (it ends once {SETTLE} in a row ran a kept plan, more where batches are "
+        f"short; none and ac run {PLAIN_BATCHES}, more where batches are short)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU: checks the rig, not the budget")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one configuration may take")

@@ -97,6 +97,16 @@ def test_an_arm_settles_once_enough_batches_in_a_row_ran_a_kept_plan() -> None:
     assert not record.settled(1)
 
 
+@pytest.mark.parametrize(("pace_s", "timed"), [(0.5, 4), (0.075, 4), (0.05, 6), (0.01, 16), (0.001, 16)])
+def test_short_batches_are_timed_by_more_of_them(pace_s: float, timed: int) -> None:
+    """An arm times about 0.3 s of batches, 4 at least and 16 at most; an arm that ran out of memory times 4."""
+    record = zoo.ArmRecord()
+    record.times = [1.0, pace_s, pace_s, pace_s, pace_s]
+    assert record.timed_batches() == timed
+    record.oom = {"kind": "measuring"}
+    assert record.timed_batches() == 4
+
+
 @pytest.mark.parametrize("entry", ["context", "fabric", "callback"])
 def test_the_planned_arm_ends_early_once_settled(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every entry point stops after ``settle`` planned batches (nothing is planned on the CPU: the batch kind is
