@@ -100,6 +100,8 @@ class BudgetPlanner:
         self.owns_peaks = owns_peaks
         self.marks = StepMarks(memory)  # what the datapath marks through the step
         self._blocks = PlannedBlocks(model, clock)
+        # Without the model no block can be checkpointed: a plan that must offload then says once what would cost less.
+        self._hint_model = model is None
 
     # What the core holds, for the engine, the callback and the benchmarks.
     budget = property(lambda self: self.core.budget)
@@ -306,3 +308,13 @@ class BudgetPlanner:
             _log.log(notice.level, notice.text)
             if notice.plan and self.on_plan is not None:
                 self.on_plan(notice.text)
+        plan = self.core.plan
+        if self._hint_model and plan is not None and plan.offload_bytes and not self.trying:
+            self._hint_model = False
+            _log.warning(
+                "offload_activations(): the plan offloads %.2f GiB per forward, predicted to add %.0f ms per step. "
+                "Without model= the planner cannot checkpoint the model's repeated blocks instead, which often costs "
+                "less: pass offload_activations(model=model, ...)",
+                plan.offload_bytes / GiB,
+                plan.extra_ms,
+            )

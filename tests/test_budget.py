@@ -313,6 +313,32 @@ def test_offloads_the_least_that_fits_when_copies_hide() -> None:
         assert_same_grads(s["grads"], reference_grads(x))
 
 
+def test_a_plan_that_offloads_without_the_model_says_once_that_checkpointing_needs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given no ``model=``, the planner can only offload: its first plan that does says so, once, naming the argument;
+    with the model it says nothing of it."""
+    x = torch.randn(BATCH, WIDTH)
+    act = activation_bytes(x)
+    said = {}
+    for given in (False, True):
+        sim = SimulatedStreams(lag=0, bytes_per_ms=float(64 * MiB))
+        model = Stack(sim)
+        memory = FakeMemory(base=0, transient=act * 12 // 10)
+        memory.unhooked_resident = act
+        engine = planned_engine(act * 2, memory, model if given else None, sim)  # type: ignore[arg-type]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lightning_offload"):
+            run_steps(engine, model, x, 5)
+        plan = engine.planner.plan  # type: ignore[union-attr]
+        assert plan is not None and plan.offload_bytes > 0
+        said[given] = [r.getMessage() for r in caplog.records if "model=" in r.getMessage()]
+    assert len(said[False]) == 1, said
+    assert said[False][0].startswith("offload_activations(): the plan offloads ")
+    assert "pass offload_activations(model=model, ...)" in said[False][0]
+    assert said[True] == []
+
+
 def test_plans_offload_no_more_than_the_host_pool_can_hold() -> None:
     """Every copy of a forward is on the host as forward ends, and what does not fit there stays on the device. With
     ``host_memory_limit`` at half of what the cheapest plan offloads, the plan checkpoints blocks instead and offloads
