@@ -56,6 +56,38 @@ def check_measuring_steps(measuring_steps: Any) -> None:
         raise ValueError(f"replan(measuring_steps={measuring_steps!r}): expected an int >= 1")
 
 
+def _checked_budget(budget: int | None, memory: Any) -> int:
+    """The budget to plan under: ``budget``, or :func:`default_budget` of what the process may use of the device."""
+    # A process capped with ``torch.cuda.set_per_process_memory_fraction`` may not use the device's total: the
+    # default budget is what it may use, and a budget above that is only ever met by out of memory.
+    capacity = process_capacity(memory)
+    if budget is None:
+        assert capacity is not None, "the default budget needs the device's memory (capacity() or total())"
+        return default_budget(capacity)
+    if capacity is not None and budget > capacity + _CAPACITY_ROUNDING:
+        _log.warning(
+            "memory_budget=%.2f GiB is more than the %.2f GiB this process may use of the device (its total "
+            "memory, under the process's memory fraction): plans aim at memory there is not",
+            budget / GiB,
+            capacity / GiB,
+        )
+    return budget
+
+
+def _hint_checkpointing(plan: Plan | None) -> bool:
+    """Say that the model would let the planner checkpoint instead, where ``plan`` offloads; whether it was said."""
+    if plan is None or not plan.offload_bytes:
+        return False
+    _log.warning(
+        "offload_activations(): the plan offloads %.2f GiB per forward, predicted to add %.0f ms per step. "
+        "Without model= the planner cannot checkpoint the model's repeated blocks instead, which often costs "
+        "less: pass offload_activations(model=model, ...)",
+        plan.offload_bytes / GiB,
+        plan.extra_ms,
+    )
+    return True
+
+
 class BudgetPlanner:
     """Reads a step's memory and blocks for the pure planner, and applies its plans, under ``budget`` bytes.
 
@@ -81,21 +113,7 @@ class BudgetPlanner:
         trials: bool = True,
     ) -> None:
         self.memory = memory
-        # A process capped with ``torch.cuda.set_per_process_memory_fraction`` may not use the device's total: the
-        # default budget is what it may use, and a budget above that is only ever met by out of memory.
-        capacity = process_capacity(memory)
-        if budget is None:
-            assert capacity is not None, "the default budget needs the device's memory (capacity() or total())"
-        elif capacity is not None and budget > capacity + _CAPACITY_ROUNDING:
-            _log.warning(
-                "memory_budget=%.2f GiB is more than the %.2f GiB this process may use of the device (its total "
-                "memory, under the process's memory fraction): plans aim at memory there is not",
-                budget / GiB,
-                capacity / GiB,
-            )
-        self.core = Planner(
-            default_budget(capacity) if budget is None else budget, trials, frugal_first=budget is not None
-        )
+        self.core = Planner(_checked_budget(budget, memory), trials, frugal_first=budget is not None)
         self.on_plan: Callable[[str], None] | None = None  # told each new plan, in words
         self.owns_peaks = owns_peaks
         self.marks = StepMarks(memory)  # what the datapath marks through the step
@@ -308,13 +326,5 @@ class BudgetPlanner:
             _log.log(notice.level, notice.text)
             if notice.plan and self.on_plan is not None:
                 self.on_plan(notice.text)
-        plan = self.core.plan
-        if self._hint_model and plan is not None and plan.offload_bytes and not self.trying:
+        if self._hint_model and not self.trying and _hint_checkpointing(self.core.plan):
             self._hint_model = False
-            _log.warning(
-                "offload_activations(): the plan offloads %.2f GiB per forward, predicted to add %.0f ms per step. "
-                "Without model= the planner cannot checkpoint the model's repeated blocks instead, which often costs "
-                "less: pass offload_activations(model=model, ...)",
-                plan.offload_bytes / GiB,
-                plan.extra_ms,
-            )
