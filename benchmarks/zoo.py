@@ -905,10 +905,18 @@ def prediction_errors(rows: list[dict[str, Any]]) -> list[float]:
     return errors
 
 
+def timed_in_plans(row: dict[str, Any]) -> bool:
+    """Whether every batch a row timed in its planned arm ran a kept plan: a planned arm that reached its last batch
+    still timing plans (or timing them again, after its margin grew) compared trial steps with checkpointing."""
+    timed, kinds = row.get("timed_batches", 4), row.get("kinds") or ""
+    return len(kinds) >= timed and set(kinds[-timed:]) == {"p"}
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ran = [r for r in rows if "error" not in r]
     fitting = [r for r in ran if r.get("fits_floor")]
     ratios_ac = [r["ratio_ac"] for r in fitting if r.get("ratio_ac") is not None]
+    settled_ac = [r["ratio_ac"] for r in fitting if r.get("ratio_ac") is not None and timed_in_plans(r)]
     errors = prediction_errors(ran)
     return {
         "rows": len(rows),
@@ -926,6 +934,12 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "median_ratio_ac": statistics.median(ratios_ac) if ratios_ac else None,
         "max_ratio_ac": max(ratios_ac) if ratios_ac else None,
+        # The same over the rows whose timed batches all ran a kept plan (the steps a long fit runs).
+        "median_ratio_ac_kept_plans": statistics.median(settled_ac) if settled_ac else None,
+        "max_ratio_ac_kept_plans": max(settled_ac) if settled_ac else None,
+        "rows_timed_in_trials": [
+            r["config"] for r in fitting if r.get("ratio_ac") is not None and not timed_in_plans(r)
+        ],
         "rows_ac_fails_planned_fits": sum(1 for r in fitting if not r.get("ac_fits") and not r.get("oom_planned")),
         "prediction_error_share": _quantiles(errors),
     }
@@ -959,7 +973,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "configurations, each in a fresh process. Cap = budget = `fraction` x the uncapped peak. Ratios: median of "
         "the last 4 batches' time (of about 0.3 s of batches where they are short, up to 16) against the same entry "
         "point without offloading (`none`, uncapped) and with every "
-        "block checkpointed under the same cap (`ac`; - where it ran out of memory).",
+        "block checkpointed under the same cap (`ac`; - where it ran out of memory); (trials): the planned arm's last "
+        "batch came while it still timed plans, so the ratio compares trial steps.",
         "",
         "| config | cap GiB | floor fits | OOM planned | x none | x ac | ac fits | measuring+trial / batches | plan |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -968,9 +983,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| {r['config']} | {fmt(r.get('cap_gib'))} | error: {r['error'][:80]} | | | | | | |")
             continue
+        trials = "" if r.get("ratio_none") is None or timed_in_plans(r) else " (trials)"
         lines.append(
             f"| {r['config']} | {fmt(r.get('cap_gib'))} | {fmt(r.get('fits_floor'))} | {r.get('oom_planned')} | "
-            f"{fmt(r.get('ratio_none'))} | {fmt(r.get('ratio_ac'))} | {fmt(r.get('ac_fits'))} | "
+            f"{fmt(r.get('ratio_none'))}{trials} | {fmt(r.get('ratio_ac'))}{trials} | {fmt(r.get('ac_fits'))} | "
             f"{r.get('measuring_trial_steps')} / {r.get('batches')} | {(r.get('plan') or '')[:90]} |"
         )
     lines += ["", "```", json.dumps(summary(rows), indent=1), "```", ""]
@@ -989,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps",
         type=int,
-        default=40,
+        default=60,
         help=f"most batches of the planned arm (it ends once {SETTLE} in a row ran a kept plan, more where batches are "
         f"short; none and ac run {PLAIN_BATCHES}, more where batches are short)",
     )
