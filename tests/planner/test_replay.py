@@ -279,3 +279,25 @@ def test_at_equal_cost_the_trials_time_blocks_checkpointed_whole_before_by_their
     assert any(p["checkpoint_blocks"] == 4 and not p["split"] and not p["light_blocks"] for p in tried)
     assert not any(p["split"] for p in tried)
     assert answers[-1]["phase"] == "planned" and planner.plan is not None and planner.plan.fits
+
+
+def test_a_cache_left_by_the_step_before_is_not_counted_as_the_measuring_steps_fragments() -> None:
+    """Llama-8B LoRA b1x8192 on an H100 through ``offload_activations()`` with the default budget and no model (the
+    plain step needs more than the device): the first measuring step passed its watermark and left 78 GiB cached; the
+    second began holding it, flushed it, and ended reserving 0.3 GiB past its 27 GiB peak. Its reserved peak (the cache
+    it began with) was counted as 51 GiB of fragments: plans aimed below the budget by 1.5x that, so only offloading
+    every activation (81 GB a step, predicted 2.3 s a step) was left, and it ran at 2.0x checkpointing every layer.
+    Told the same steps, the planner now counts the 0.3 GiB it ended with and keeps about half the activations."""
+    trace = json.loads((CHANGED / "h100-workloads-llama8b-lora-s8k-default.json").read_text())
+    recorded = recorded_answers(trace)
+    observed = [event[1] for event in trace["events"] if event[0] == "observe"]
+    second = observed[1]
+    assert second["flushed"] and second["reserved_peak"] == second["reserved_at_start"] > 2.5 * second["peak"]
+    assert recorded[2]["plan"]["offload_bytes"] >= second["eligible"] - 2**30
+    planner, answers = _replayed_before(trace, 3)
+    assert answers[:2] == recorded[:2]
+    assert planner.rec.reserved_gap == second["reserved"] - second["peak"]
+    plan = answers[2]["plan"]
+    assert answers[2]["phase"] == "planned" and plan["fits"]
+    assert plan["offload_bytes"] < 0.55 * second["eligible"] and plan["extra_ms"] < recorded[2]["plan"]["extra_ms"] / 2
+    assert plan["peak"] + planner.fit_margin <= trace["budget"]
