@@ -912,6 +912,15 @@ def timed_in_plans(row: dict[str, Any]) -> bool:
     return len(kinds) >= timed and set(kinds[-timed:]) == {"p"}
 
 
+def _unwarned(row: dict[str, Any]) -> bool:
+    return row.get("fits_floor") is False and bool(row.get("oom_step")) and not row.get("floor_warned")
+
+
+def _failed_first_step(row: dict[str, Any]) -> bool:
+    oom = row.get("oom_step") or {}
+    return oom.get("step") == 0 and oom.get("kind") == "measuring"
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ran = [r for r in rows if "error" not in r]
     fitting = [r for r in ran if r.get("fits_floor")]
@@ -929,9 +938,10 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "oom_where_ac_fits": sum(
             1 for r in ran if r.get("ac_fits") and (r.get("oom_step") or {}).get("kind") in ("trial", "planned")
         ),
-        "floor_not_fitting_unwarned": sum(
-            1 for r in ran if r.get("fits_floor") is False and r.get("oom_step") and not r.get("floor_warned")
-        ),
+        # Where the floor does not fit, the planner's message comes before the failing step, except in a run's first
+        # step: nothing is measured before it, so its own out of memory is the first word (its error says so).
+        "floor_not_fitting_unwarned": sum(1 for r in ran if _unwarned(r) and not _failed_first_step(r)),
+        "floor_not_fitting_told_in_first_step": sum(1 for r in ran if _unwarned(r) and _failed_first_step(r)),
         "median_ratio_ac": statistics.median(ratios_ac) if ratios_ac else None,
         "max_ratio_ac": max(ratios_ac) if ratios_ac else None,
         # The same over the rows whose timed batches all ran a kept plan (the steps a long fit runs).

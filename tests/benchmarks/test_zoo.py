@@ -43,12 +43,14 @@ def test_the_summary_counts_out_of_memory_errors_only_where_the_floor_fits() -> 
     rows = [
         {"config": "a", "fits_floor": True, "oom_planned": 1, "ratio_ac": 0.9, "ac_fits": True, "observations": []},
         {"config": "b", "fits_floor": True, "oom_planned": 0, "ratio_ac": 1.2, "ac_fits": True, "observations": []},
-        {"config": "c", "fits_floor": False, "oom_planned": 0, "oom_step": {"step": 0}, "floor_warned": False},
+        {"config": "c", "fits_floor": False, "oom_planned": 0, "oom_step": {"step": 2}, "floor_warned": False},
         {"config": "d", "error": "none ran out of memory uncapped"},
+        {"config": "e", "fits_floor": False, "oom_step": {"step": 0, "kind": "measuring"}, "floor_warned": False},
     ]
     summary = zoo.summary(rows)
-    assert (summary["rows"], summary["ran"], summary["errors"], summary["floor_fits"]) == (4, 3, 1, 2)
+    assert (summary["rows"], summary["ran"], summary["errors"], summary["floor_fits"]) == (5, 4, 1, 2)
     assert summary["oom_planned"] == 1 and summary["floor_not_fitting_unwarned"] == 1
+    assert summary["floor_not_fitting_told_in_first_step"] == 1  # nothing was measured before row e's first step
     assert summary["oom_where_ac_fits"] == 0  # (no row says where its out of memory came)
     rows[0]["oom_step"] = {"step": 3, "kind": "trial"}
     rows[2].update(ac_fits=True, oom_step={"step": 2, "kind": "planned"})
