@@ -128,6 +128,14 @@ class PlanTrials:
         timed = [key for key, steps in self._ms.items() if steps]
         return [(k, nbytes, self._pace((k, split, nbytes, light)), light) for k, split, nbytes, light in timed]
 
+    def kept_kind(self) -> PlanKind | None:
+        """The kind of plan (:func:`plan_kind`) the fastest of the plans timed is, where more than one was timed."""
+        timed = [key for key, steps in self._ms.items() if steps]
+        if len(timed) < 2:
+            return None
+        _, _, nbytes, light = min(timed, key=self._pace)
+        return bool(nbytes), bool(light)
+
     def timed_steps(self) -> list[tuple[int, int, int, list[float]]]:
         """Each timed plan's steps in the order the plans ran: blocks checkpointed, bytes offloaded per forward, blocks
         recomputing their elementwise operations, and the device milliseconds of every step that counted (to tell a
@@ -352,7 +360,14 @@ def choose_plan(
     if trials.done and trials.timed:
         if not memory:
             return None
-        plan = trials.after_correction(candidates) or plan
+        fastest, kind = trials.after_correction(candidates), trials.kept_kind()
+        # No plan timed fits the corrected model: the kind of plan the trials kept is the machine's lesson, as for
+        # another input (on an H100 a zoo row timed 5 plans again for 20 steps and kept the cheapest of that kind).
+        taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == kind] if fastest is None else []
+        if taught:
+            trials.settle()
+            return min(taught, key=cost_order), words.taught_before_correction(kind), lesson
+        plan = fastest or plan
     chosen, trial = trials.choose(profile, candidates, memory)
     if trials.done and chosen is not None and len(trials.timed_plans()) > 1:
         lesson = plan_kind(chosen)

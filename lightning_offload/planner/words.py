@@ -105,11 +105,20 @@ _UNTIMED = "not timed ("
 
 def taught_by_other_trials(kind: tuple[bool, bool]) -> str:
     """Why a new input runs a plan untimed: the kind of plan (offloads, light blocks) another input's trials kept."""
+    what = _kind_words(kind)
+    return f"{_UNTIMED}another input's trials kept a plan that {what}, and this input's trials would time one): "
+
+
+def _kind_words(kind: tuple[bool, bool]) -> str:
     offloads, light = kind
-    what = ("offloads" if offloads else "offloads nothing") + (
+    return ("offloads" if offloads else "offloads nothing") + (
         " and recomputes elementwise operations" if light else ""
     )
-    return f"{_UNTIMED}another input's trials kept a plan that {what}, and this input's trials would time one): "
+
+
+def taught_before_correction(kind: tuple[bool, bool]) -> str:
+    """Why a corrected input runs a plan untimed: the kind of plan its own trials kept before the correction."""
+    return f"{_UNTIMED}this input's trials kept a plan that {_kind_words(kind)}, and none they timed fits now): "
 
 
 def trials_elsewhere() -> str:

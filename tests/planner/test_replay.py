@@ -301,3 +301,30 @@ def test_a_cache_left_by_the_step_before_is_not_counted_as_the_measuring_steps_f
     assert answers[2]["phase"] == "planned" and plan["fits"]
     assert plan["offload_bytes"] < 0.55 * second["eligible"] and plan["extra_ms"] < recorded[2]["plan"]["extra_ms"] / 2
     assert plan["peak"] + planner.fit_margin <= trace["budget"]
+
+
+def test_a_correction_after_the_trials_runs_the_kind_they_kept_or_times_again_where_none_of_it_fits() -> None:
+    """Zoo rows 36 and 00 on an H100 (2026-12-06, Lightning, caps of 4.08 and 6.01 GiB). Both timed their plans and kept
+    one that checkpoints and offloads nothing; steps of it then reserved up to the cap, and the correction left no timed
+    plan fitting. Row 36 timed 5 plans again (20 steps, 56-94 ms against 39 for checkpointing alone) and kept 7 blocks
+    checkpointed, the cheapest such plan. Told the same steps, it now runs that plan at once, untimed. Row 00 kept all
+    16 blocks checkpointed: no plan of that kind fits after its correction, so it still times the plans that fit."""
+    trace = json.loads(next(CHANGED.glob("h100-zoo-head-36-*.json")).read_text())
+    recorded = recorded_answers(trace)
+    phases = "".join(a["phase"][0] for a in recorded)
+    assert phases.startswith("mm" + "t" * 16 + "p" * 8 + "t" * 20)
+    kept_after = recorded[46]["plan"]
+    assert recorded[46]["phase"] == "planned" and (kept_after["checkpoint_blocks"], kept_after["offload_bytes"]) == (
+        7,
+        0,
+    )
+    _, answers = _replayed_before(trace, 27)
+    assert answers[:26] == recorded[:26]
+    assert answers[26]["phase"] == "planned" and answers[26]["plan"] == kept_after
+
+    trace = json.loads(next(TRACES.glob("h100-zoo-head-00-*.json")).read_text())
+    recorded = recorded_answers(trace)
+    _, answers = replay(trace)
+    assert answers == recorded
+    assert [a["phase"] for a in recorded[28:32]] == ["planned", "planned", "planned", "trying"]
+    assert recorded[27]["plan"]["checkpoint_blocks"] == 16 == recorded[-1]["plan"]["checkpoint_blocks"]
