@@ -77,6 +77,8 @@ def pressed_error(plan: Plan, profile: StepProfile, obs: Observation, budget: in
     of memory). 0 where it did not flush."""
     if not obs.flushed:
         return 0
+    # A reserved peak that is the cache the step began with counts too (unlike a measuring step's, in
+    # :func:`~.measure.pressed_gap`): the step before ran a plan too, mostly this one, whose fragments the cap met.
     return max(0, obs.reserved_peak - max(plan.peak, profile.optimizer_peak) + int(REPLAN_SHARE * budget))
 
 
