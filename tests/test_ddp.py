@@ -79,29 +79,48 @@ def _tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
+def _start(strategy: str, out: Path, port: int, base_env: dict[str, str]) -> subprocess.Popen[str]:
+    env = {**base_env, "MASTER_PORT": str(port)}
+    return processes.start([sys.executable, str(SCRIPT), str(out), strategy], env)
+
+
+def _outcome(strategy: str, proc: subprocess.Popen[str], out: Path) -> Run | str:
+    """The run's files, or why it failed."""
+    log, in_time = processes.finish(proc, TIMEOUT_S)
+    if not in_time:
+        return f"strategy={strategy!r}: no result within {TIMEOUT_S} s; output:\n{_tail(log)}"
+    if proc.returncode != 0:
+        return f"strategy={strategy!r}: exit status {proc.returncode}; output:\n{_tail(log)}"
+    return Run(out, _tail(log))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    """Runs the script once per strategy, both at once; fails with the script's output if either fails."""
+    """Runs the script once per strategy, both at once; fails with the script's output if either fails.
+
+    A worker that aborted as its process exited, after both fits ended (``terminate called without an active
+    exception``: a C++ thread of torch's left joinable at exit; seen once in CI on ``ddp_spawn``, and not in eight
+    runs after), is run once more, alone: a second failure fails the tests."""
     base_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     base_env["MASTER_ADDR"] = "127.0.0.1"
     started: dict[str, tuple[subprocess.Popen[str], Path]] = {}
     for strategy, port in zip(STRATEGIES, _free_ports(len(STRATEGIES)), strict=True):
         out = tmp_path_factory.mktemp(strategy)
-        env = {**base_env, "MASTER_PORT": str(port)}
-        started[strategy] = (processes.start([sys.executable, str(SCRIPT), str(out), strategy], env), out)
+        started[strategy] = (_start(strategy, out, port, base_env), out)
     results: dict[str, Run] = {}
     failures: list[str] = []
     try:
         for strategy, (proc, out) in started.items():
-            log, in_time = processes.finish(proc, TIMEOUT_S)
-            if not in_time:
-                failures.append(f"strategy={strategy!r}: no result within {TIMEOUT_S} s; output:\n{_tail(log)}")
-                continue
-            if proc.returncode != 0:
-                failures.append(f"strategy={strategy!r}: exit status {proc.returncode}; output:\n{_tail(log)}")
-                continue
-            results[strategy] = Run(out, _tail(log))
+            outcome = _outcome(strategy, proc, out)
+            if isinstance(outcome, str) and "terminate called without an active exception" in outcome:
+                out = tmp_path_factory.mktemp(f"{strategy}-again")
+                started[strategy] = (proc := _start(strategy, out, _free_ports(1)[0], base_env), out)
+                outcome = _outcome(strategy, proc, out)
+            if isinstance(outcome, str):
+                failures.append(outcome)
+            else:
+                results[strategy] = outcome
     finally:
         for proc, _ in started.values():
             processes.kill(proc)
