@@ -16,6 +16,7 @@ constant of its own here.
 
     python -m benchmarks.planner_sensitivity                  # the table, to standard output
     python -m benchmarks.planner_sensitivity --out table.md   # and to a file
+    python -m benchmarks.planner_sensitivity --all-recorded   # every trace under benchmarks/results/ too
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "tests" / "data" / "traces"
+RESULTS = ROOT / "benchmarks" / "results"
 # Not tuning: formats, bounds of what is recorded, identities.
 SKIPPED = {"PLANS_VERSION", "TRACE_VERSION", "TRACED_EVENTS", "NO_INPUT"}
 FACTORS = (0.5, 2.0)
@@ -72,6 +74,28 @@ def patched(modules: list[ModuleType], name: str, value: float) -> Iterator[None
             setattr(module, name, previous)
 
 
+def recorded_traces(results: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    """Every planner trace the runs under ``results`` kept, by file and row: the zoo's ``*-traces.json`` (one trace a
+    configuration) and the benchmark workloads' rows (``row["trace"]``)."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(results.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        where = path.relative_to(results).with_suffix("").as_posix()
+        if path.name.endswith("-traces.json") and isinstance(data, dict):
+            found.update({f"{where}/{row[:2]}": t for row, t in data.items() if isinstance(t, dict) and "events" in t})
+            continue
+        workloads = data.get("results") if isinstance(data, dict) else None
+        for workload in workloads if isinstance(workloads, list) else []:
+            for row in workload.get("rows") or [] if isinstance(workload, dict) else []:
+                trace = row.get("trace") if isinstance(row, dict) else None
+                if isinstance(trace, dict) and "events" in trace:
+                    found[f"{where}/{workload['workload']['name']}/{row['mode']}"] = trace
+    return found
+
+
 def changed_traces(traces: dict[str, dict[str, Any]]) -> list[str]:
     """The traces whose replay answers otherwise than they recorded (or raises)."""
     from lightning_offload.planner.replay import replay
@@ -106,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_sensitivity", description=description)
     parser.add_argument("--traces", type=Path, default=TRACES)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--all-recorded",
+        action="store_true",
+        help="also every trace under benchmarks/results/; those the planner now answers otherwise are left out, named",
+    )
     args = parser.parse_args(argv)
     traces = {p.stem: json.loads(p.read_text()) for p in sorted(args.traces.glob("*.json"))}
     if not traces:
@@ -115,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if baseline:
         print(f"traces that do not replay as recorded even unpatched: {baseline}", file=sys.stderr)
         return 1
+    if args.all_recorded:
+        recorded = recorded_traces()
+        # Runs recorded before a deliberate change answer otherwise from then on: they cannot tell a constant's effect.
+        stale = set(changed_traces(recorded))
+        print(f"left out, answered otherwise since they were recorded: {sorted(stale)}", file=sys.stderr)
+        traces.update({name: t for name, t in recorded.items() if name not in stale})
     modules = planner_modules()
     lines = [
         f"# The planner's constants against {len(traces)} recorded traces",

@@ -40,3 +40,17 @@ def test_the_table_names_rows_and_scales_integers_to_at_least_one(tmp_path: Path
     assert sensitivity.short_name("h100-zoo-after-04-vit") == "after-04"
     assert sensitivity.short_name("h100-zoo-27-llama") == "27" and sensitivity.short_name("cpu-x") == "cpu-x"
     assert sensitivity.scaled(3, 0.5) == 2 and sensitivity.scaled(1, 0.5) == 1 and sensitivity.scaled(0.1, 2.0) == 0.2
+
+
+def test_recorded_traces_are_read_from_zoo_trace_files_and_workload_rows(tmp_path: Path) -> None:
+    trace = _traces()["cpu-trials-slow-hooks"]
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / "2026-01-01-traces.json").write_text(json.dumps({"07-vit-x": trace, "08-note": "not a trace"}))
+    rows = [{"mode": "none"}, {"mode": "ours-budget-0.9x", "trace": trace}]
+    workloads = {"results": [{"workload": {"name": "small-h512"}, "rows": rows}, "skipped"]}
+    (tmp_path / "workloads.json").write_text(json.dumps(workloads))
+    (tmp_path / "broken.json").write_text("{")
+    found = sensitivity.recorded_traces(tmp_path)
+    assert sorted(found) == ["workloads/small-h512/ours-budget-0.9x", "zoo/2026-01-01-traces/07"]
+    assert sensitivity.changed_traces(found) == []
