@@ -924,8 +924,9 @@ def _failed_first_step(row: dict[str, Any]) -> bool:
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ran = [r for r in rows if "error" not in r]
     fitting = [r for r in ran if r.get("fits_floor")]
-    ratios_ac = [r["ratio_ac"] for r in fitting if r.get("ratio_ac") is not None]
-    settled_ac = [r["ratio_ac"] for r in fitting if r.get("ratio_ac") is not None and timed_in_plans(r)]
+    compared = [r for r in fitting if r.get("ratio_ac") is not None]
+    ratios_ac = [r["ratio_ac"] for r in compared]
+    settled_ac = [r["ratio_ac"] for r in compared if timed_in_plans(r)]
     errors = prediction_errors(ran)
     return {
         "rows": len(rows),
@@ -947,9 +948,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # The same over the rows whose timed batches all ran a kept plan (the steps a long fit runs).
         "median_ratio_ac_kept_plans": statistics.median(settled_ac) if settled_ac else None,
         "max_ratio_ac_kept_plans": max(settled_ac) if settled_ac else None,
-        "rows_timed_in_trials": [
-            r["config"] for r in fitting if r.get("ratio_ac") is not None and not timed_in_plans(r)
-        ],
+        "rows_timed_in_trials": [r["config"] for r in compared if not timed_in_plans(r)],
         "rows_ac_fails_planned_fits": sum(1 for r in fitting if not r.get("ac_fits") and not r.get("oom_planned")),
         "prediction_error_share": _quantiles(errors),
     }

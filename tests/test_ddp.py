@@ -115,7 +115,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
             outcome = _outcome(strategy, proc, out)
             if isinstance(outcome, str) and "terminate called without an active exception" in outcome:
                 out = tmp_path_factory.mktemp(f"{strategy}-again")
-                started[strategy] = (proc := _start(strategy, out, _free_ports(1)[0], base_env), out)
+                proc = _start(strategy, out, _free_ports(1)[0], base_env)
+                started[strategy] = (proc, out)
                 outcome = _outcome(strategy, proc, out)
             if isinstance(outcome, str):
                 failures.append(outcome)

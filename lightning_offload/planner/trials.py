@@ -130,10 +130,10 @@ class PlanTrials:
 
     def kept_kind(self) -> PlanKind | None:
         """The kind of plan (:func:`plan_kind`) the fastest of the plans timed is, where more than one was timed."""
-        timed = [key for key, steps in self._ms.items() if steps]
+        timed = self.timed_plans()
         if len(timed) < 2:
             return None
-        _, _, nbytes, light = min(timed, key=self._pace)
+        _, nbytes, _, light = min(timed, key=lambda t: t[2])
         return bool(nbytes), bool(light)
 
     def timed_steps(self) -> list[tuple[int, int, int, list[float]]]:
@@ -349,26 +349,34 @@ def choose_plan(
     correction towards ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now
     timed in turn (``None``: the plan stays)."""
     if lesson is not None and not trials.timed:
-        taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == lesson]
-        if taught:
-            trials.settle()
-            plan = min(taught, key=cost_order)
-            return plan, words.taught_by_other_trials(lesson), lesson
+        taught = _taught_plan(trials, profile, candidates, lesson)
+        if taught is not None:
+            return taught, words.taught_by_other_trials(lesson), lesson
     plan = cheapest_plan(candidates)
     if trials_elsewhere and trials.not_begun:
         return plan, words.trials_elsewhere(), lesson
     if trials.done and trials.timed:
         if not memory:
             return None
-        fastest, kind = trials.after_correction(candidates), trials.kept_kind()
+        fastest = trials.after_correction(candidates)
         # No plan timed fits the corrected model: the kind of plan the trials kept is the machine's lesson, as for
         # another input (on an H100 a zoo row timed 5 plans again for 20 steps and kept the cheapest of that kind).
-        taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == kind] if fastest is None else []
-        if taught:
-            trials.settle()
-            return min(taught, key=cost_order), words.taught_before_correction(kind), lesson
+        kind = trials.kept_kind() if fastest is None else None
+        taught = _taught_plan(trials, profile, candidates, kind) if kind is not None else None
+        if kind is not None and taught is not None:
+            return taught, words.taught_before_correction(kind), lesson
         plan = fastest or plan
     chosen, trial = trials.choose(profile, candidates, memory)
     if trials.done and chosen is not None and len(trials.timed_plans()) > 1:
         lesson = plan_kind(chosen)
     return chosen or plan, trial, lesson
+
+
+def _taught_plan(trials: PlanTrials, profile: StepProfile, candidates: list[Plan], kind: PlanKind) -> Plan | None:
+    """The model's cheapest plan of ``kind`` among those the trials would time, run untimed (the trials settle); or
+    ``None`` where they would time none of that kind."""
+    taught = [p for p in trial_plans(profile, candidates) if plan_kind(p) == kind]
+    if not taught:
+        return None
+    trials.settle()
+    return min(taught, key=cost_order)
