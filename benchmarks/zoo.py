@@ -1031,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [row for path in args.merge for row in json.loads(path.read_text())["rows"]]
         meta = json.loads(args.merge[0].read_text())["meta"]
         rows.sort(key=lambda r: r["settings"]["index"])
-        return _write(args.out, rows, meta)
+        return _write(args.out, rows, meta, _parts_traces(args.merge))
 
     configs = generate(args.seed, args.count, tiny=args.tiny)
     index, parts = (int(x) for x in args.part.split("/"))
@@ -1133,16 +1133,31 @@ def _line(row: dict[str, Any]) -> str:
     )
 
 
-def _write(out: Path | None, rows: list[dict[str, Any]], meta: dict[str, Any]) -> int:
+def _traces_path(out: Path) -> Path:
+    return out.with_name(out.stem + "-traces.json")
+
+
+def _parts_traces(parts: list[Path]) -> dict[str, Any]:
+    """The traces the parts wrote beside them (a part's rows keep none: :func:`_write` moved them out)."""
+    traces: dict[str, Any] = {}
+    for part in parts:
+        if _traces_path(part).exists():
+            traces.update(json.loads(_traces_path(part).read_text()))
+    return traces
+
+
+def _write(
+    out: Path | None, rows: list[dict[str, Any]], meta: dict[str, Any], traces: dict[str, Any] | None = None
+) -> int:
     """The merged rows to ``out`` (JSON, Markdown, plot) and the planners' traces beside it (``<out>-traces.json``, by
-    configuration: what the replay tests read)."""
-    traces = {row["config"]: row.pop("trace") for row in rows if row.get("trace")}
+    configuration: what the replay tests read): those of ``rows``, and ``traces`` (the parts' of a merge)."""
+    traces = {**(traces or {}), **{row["config"]: row.pop("trace") for row in rows if row.get("trace")}}
     text = json.dumps({"meta": meta, "summary": summary(rows), "rows": rows}, indent=1, default=str)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         if traces:
-            out.with_name(out.stem + "-traces.json").write_text(json.dumps(traces, default=str))
+            _traces_path(out).write_text(json.dumps(traces, default=str))
         out.with_suffix(".md").write_text(markdown(rows, meta))
         _plot(rows, out.with_suffix(".png"))
     print(json.dumps(summary(rows), indent=1))

@@ -81,6 +81,19 @@ def test_the_tiny_zoo_runs_every_family_under_every_entry_point(tmp_path: Path) 
     assert out.with_suffix(".md").read_text().count("\n| ") >= len(rows)
 
 
+def test_merging_parts_keeps_the_traces_each_part_wrote_beside_it(tmp_path: Path) -> None:
+    meta = {"device": "test", "seed": 2026}
+    for part, index in (("p1", 0), ("p2", 1)):
+        row = {"config": f"{index:02d}-row", "settings": {"index": index}, "fits_floor": False, "observations": []}
+        zoo._write(tmp_path / f"{part}.json", [{**row, "trace": {"events": [["input", index]]}}], meta)
+        assert "trace" not in json.loads((tmp_path / f"{part}.json").read_text())["rows"][0]  # moved beside the part
+    out = tmp_path / "merged.json"
+    assert zoo.main(["--merge", str(tmp_path / "p2.json"), str(tmp_path / "p1.json"), "--out", str(out)]) == 0
+    assert [r["config"] for r in json.loads(out.read_text())["rows"]] == ["00-row", "01-row"]
+    traces = json.loads((tmp_path / "merged-traces.json").read_text())
+    assert traces == {"00-row": {"events": [["input", 0]]}, "01-row": {"events": [["input", 1]]}}
+
+
 def test_the_plot_draws_planned_steps_and_nothing_where_none_was_planned(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     planned = {"predicted": 9, "peak": 10, "budget": 10}
