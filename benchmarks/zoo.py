@@ -844,6 +844,9 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         floor_warned=planned.floor_warned,
         ratio_none=planned_s / none_s if planned_s and none_s else None,
         ratio_ac=planned_s / ac_s if planned_s and ac_s else None,
+        # Each arm's timed batches in seconds, as they came: a ratio that moves between runs is told apart from the
+        # arm whose pace moved (a host-bound row's `none` ran twice as fast on one H100 as on another).
+        batch_seconds={name: arm.times[-timed:] for name, arm in (("none", none), ("ac", ac), ("planned", planned))},
         ac_fits=ac.oom is None,
         ac_peak_gib=ac.peak / GiB,
         planned_peak_gib=planned.peak / GiB,

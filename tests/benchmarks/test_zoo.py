@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,11 @@ def test_the_tiny_zoo_runs_every_family_under_every_entry_point(tmp_path: Path) 
             "measuring_trial_steps",
         } <= set(row)
         assert row["oom_planned"] == 0 and row["batches"] > 0
+        seconds = row["batch_seconds"]
+        assert set(seconds) == {"none", "ac", "planned"} and all(t > 0 for times in seconds.values() for t in times)
+        if row["ratio_none"] is not None:  # the ratio is the medians of the batches the row lists
+            ratio = statistics.median(seconds["planned"]) / statistics.median(seconds["none"])
+            assert row["ratio_none"] == pytest.approx(ratio)
     assert out.with_suffix(".md").read_text().count("\n| ") >= len(rows)
 
 
