@@ -9,6 +9,7 @@ checks first that the plans belong to this model, budget and device (the engine'
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning_offload.planner.inputs import InputRecord
@@ -28,36 +29,48 @@ def _plan(values: dict[str, Any]) -> Plan:
     return Plan(**{**values, "phases": tuple(values.get("phases", ()))})
 
 
+# What a restored record starts from instead of what the exported one held: the steps in flight and the run of its plan
+# belong to the process that ran them. It measures nothing, and its first step checks the cache the steps before it
+# left. Every other field of :class:`InputRecord` is carried (a test holds the two lists to the record's fields).
+RESTARTED: dict[str, Any] = {
+    "measure_left": 0,
+    "frugal_next": False,
+    "settling": True,
+    "plan_since": None,
+    "plan_steps": (),
+    "slow_forward": None,
+    "lent": False,
+}
+# Carried fields that are not plain values, read back from the dicts they were written as (``trials`` apart: it needs
+# whether trials are enabled now).
+_READERS: dict[str, Callable[[Any], Any]] = {
+    "profile": lambda values: StepProfile(**values),
+    "plan": _plan,
+    "full_block": lambda values: BlockSizes(**values),
+    "peaks": lambda values: MeasuredPeaks(**values),
+}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, PlanTrials):
+        return value.as_state()
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
 def _record_state(rec: InputRecord) -> dict[str, Any] | None:
     """``rec`` as plain values, where it ran a plan of its own (``None``: still measuring, or lent)."""
     if rec.phase is Phase.MEASURING or rec.lent or rec.profile is None or rec.plan is None:
         return None
-    return {
-        "profile": dataclasses.asdict(rec.profile),
-        "plan": dataclasses.asdict(rec.plan),
-        "trials": rec.trials.as_state(),
-        "measured": rec.measured,
-        "full_block": None if rec.full_block is None else dataclasses.asdict(rec.full_block),
-        "peaks": dataclasses.asdict(rec.peaks),
-        "reserved_gap": rec.reserved_gap,
-        "base": rec.base,
-    }
+    return {f.name: _plain(getattr(rec, f.name)) for f in dataclasses.fields(rec) if f.name not in RESTARTED}
 
 
 def _record_from(state: dict[str, Any], trials_enabled: bool) -> InputRecord:
-    full_block = state["full_block"]
-    return InputRecord(
-        PlanTrials.from_state(state["trials"], trials_enabled),
-        profile=StepProfile(**state["profile"]),
-        plan=_plan(state["plan"]),
-        measure_left=0,
-        measured=state["measured"],
-        full_block=None if full_block is None else BlockSizes(**full_block),
-        peaks=MeasuredPeaks(**state["peaks"]),
-        reserved_gap=state["reserved_gap"],
-        base=state["base"],
-        settling=True,  # its first step checks the cache the steps before it left
-    )
+    carried = {
+        name: value if value is None else _READERS.get(name, lambda plain: plain)(value)
+        for name, value in state.items()
+        if name != "trials"
+    }
+    return InputRecord(PlanTrials.from_state(state["trials"], trials_enabled), **carried, **RESTARTED)
 
 
 def export_plans(planner: Planner) -> dict[str, Any]:
