@@ -22,6 +22,7 @@ from lightning_offload.planner import words
 from lightning_offload.planner.aims import cache_worth_emptying, keeping_aim, plan_aim
 from lightning_offload.planner.book import NO_INPUT, InputBook
 from lightning_offload.planner.candidates import offered_plans
+from lightning_offload.planner.choice import choose_plan
 from lightning_offload.planner.corrections import (
     after_out_of_memory,
     after_planned_step,
@@ -41,7 +42,7 @@ from lightning_offload.planner.measuring import MEASURED_STEPS, measured, next_m
 from lightning_offload.planner.profile import Plan
 from lightning_offload.planner.steps import Directive, Notice, Observation, Phase, StepRecord, StepStart
 from lightning_offload.planner.trace import Trace
-from lightning_offload.planner.trials import PlanKind, PlanTrials, choose_plan, timing_key
+from lightning_offload.planner.trials import PlanKind, PlanTrials, timing_key
 
 _RECORDED_STEPS = 512
 

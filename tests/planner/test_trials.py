@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_offload.planner.choice import choose_plan
 from lightning_offload.planner.profile import Plan, StepProfile
-from lightning_offload.planner.trials import TRIAL_STEPS, PlanTrials, choose_plan, plan_kind
+from lightning_offload.planner.trials import TRIAL_STEPS, PlanTrials, plan_kind
 
 GiB = 1 << 30
 PROFILE = StepProfile(peak=0, resident=0, eligible=0, forward_ms=100.0, link_bytes_per_ms=1.0, backward_ms=150.0)
