@@ -29,9 +29,10 @@ def choose_plan(
     run whose lengths change from batch to batch would spend some 20 steps on trials.) While another input's trials
     are under way (``trials_elsewhere``) and nothing taught a kind yet, a new input runs the model's cheapest plan and
     begins no trials of its own: lengths drawn at random all come before the first input's trials end, and would each
-    time their plans. Once plans were timed, only a
-    correction towards ``memory`` chooses again, the fastest timed plan that still fits, or the plans that fit now
-    timed in turn (``None``: the plan stays)."""
+    time their plans. Once plans were timed, only a correction towards ``memory`` chooses again, the fastest timed plan
+    that still fits, or the plans that fit now timed in turn, or a kept plan that flushes the allocator's cache where
+    its timed steps did not (:meth:`PlanTrials.flushes_where_kept`), the next fastest timed plan (``None``: the plan
+    stays)."""
     if lesson is not None and not trials.timed:
         taught = _taught_plan(trials, profile, candidates, lesson)
         if taught is not None:
@@ -41,7 +42,9 @@ def choose_plan(
         return plan, words.trials_elsewhere(), lesson
     if trials.done and trials.timed:
         if not memory:
-            return None
+            # The plan kept flushes the cache where its timed steps did not: the next fastest timed plan runs.
+            other, trial = trials.instead_of_flushing(candidates) if trials.flushes_where_kept() else (None, "")
+            return (other, trial, plan_kind(other)) if other is not None else None
         fastest = trials.after_correction(candidates)
         # No plan timed fits the corrected model: the kind of plan the trials kept is the machine's lesson, as for
         # another input (on an H100 a zoo row timed 5 plans again for 20 steps and kept the cheapest of that kind).

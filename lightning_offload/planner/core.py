@@ -162,7 +162,8 @@ class Planner:
         rec = self.rec
         plan, p = rec.plan, rec.profile
         assert plan is not None and p is not None
-        timed = rec.trials.count(plan, obs.step_ms, pinned=obs.pinned, flushed=obs.flushed)
+        # The plan's trial is over, or the plan the trials kept flushes the cache where its timed steps did not.
+        rechoose = rec.trials.count(plan, obs.step_ms, pinned=obs.pinned, flushed=obs.flushed)
         # A step that peaked where predicted moves nothing; only a rise moves the plan, towards memory.
         p, error = after_planned_step(p, plan, obs, self.budget)
         rec.profile = p
@@ -179,7 +180,7 @@ class Planner:
             rec.settling = False
             self._release_cache = self.cache_worth_emptying(max(obs.peak, plan.peak), obs.reserved)
         faster = with_faster_compute(rec.profile, plan, obs)
-        if faster != rec.profile or timed:
+        if faster != rec.profile or rechoose:
             rec.profile = faster
             self._choose()
 

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_offload.planner import words
 from lightning_offload.planner.candidates import cost_order, shape
 from lightning_offload.planner.profile import Plan, StepProfile
 from lightning_offload.units import GiB
@@ -73,6 +74,9 @@ class PlanTrials:
         self._compared: list[Plan] | None = None  # the plans under trial (chosen anew only by a memory correction)
         self._stepped_down = False  # a plan below a flushing fastest one was added to this round
         self._rounds = 0  # trials begun (a correction may make the timed plans unfit)
+        self._kept: tuple[int, bool, int, int] | None = None  # the timed plan the trials kept
+        self._kept_flushes: list[bool] = []  # whether each of its first planned steps flushed the cache
+        self._rechosen = False  # it flushed where its timed steps did not, and another timed plan was chosen
 
     @property
     def not_begun(self) -> bool:
@@ -98,6 +102,9 @@ class PlanTrials:
             "compared": None if self._compared is None else [dataclasses.asdict(p) for p in self._compared],
             "stepped_down": self._stepped_down,
             "rounds": self._rounds,
+            "kept": None if self._kept is None else list(self._kept),
+            "kept_flushes": list(self._kept_flushes),
+            "rechosen": self._rechosen,
         }
 
     @classmethod
@@ -114,6 +121,10 @@ class PlanTrials:
             trials._compared = [Plan(**{**p, "phases": tuple(p["phases"])}) for p in state["compared"]]
         trials._stepped_down = state["stepped_down"]
         trials._rounds = state["rounds"]
+        kept = state.get("kept")  # (absent from the plans of an earlier version)
+        trials._kept = None if kept is None else tuple(kept)  # type: ignore[assignment]
+        trials._kept_flushes = list(state.get("kept_flushes", ()))
+        trials._rechosen = state.get("rechosen", False)
         return trials
 
     @property
@@ -144,9 +155,12 @@ class PlanTrials:
     def count(self, plan: Plan, step_ms: float, pinned: bool, flushed: bool = False) -> bool:
         """A step of ``plan`` ended after ``step_ms`` (0: not timed; ``pinned``: it pinned host buffers, so its time
         says nothing of the plan's pace; ``flushed``: the allocator flushed its cache in it). Whether the plan's trial
-        is now over (``False`` when none runs)."""
+        is now over (``False`` when none runs), or, for a step of the plan the trials kept, whether it flushes the
+        cache where its timed steps did not (:meth:`flushes_where_kept`)."""
         if not self.trying:
-            return False
+            if self.done and self._kept == timing_key(plan) and len(self._kept_flushes) < TRIAL_STEPS:
+                self._kept_flushes.append(flushed)
+            return self.flushes_where_kept()
         key = timing_key(plan)
         runs = self._runs[key] = self._runs.get(key, 0) + 1
         if runs > 1 and step_ms > 0 and not pinned:
@@ -184,6 +198,7 @@ class PlanTrials:
             return waiting[0], f"timing plan {compared.index(waiting[0]) + 1} of {len(compared)}: "
         self.trying, self.done = False, True
         fastest = self.fastest(compared)
+        self._keep(fastest)
         return (fastest, self._summary(compared)) if fastest is not None else (None, "")
 
     def after_correction(self, candidates: Sequence[Plan]) -> Plan | None:
@@ -193,7 +208,43 @@ class PlanTrials:
         fastest = self.fastest([p for p in candidates if p.fits])
         if fastest is None and self._rounds < _TRIAL_ROUNDS:
             self.done, self._compared = False, None
+        self._keep(fastest)
         return fastest
+
+    def _keep(self, plan: Plan | None) -> None:
+        """``plan`` (timed) is kept: its first planned steps are watched for flushes its timed steps did not have."""
+        self._kept, self._kept_flushes = (timing_key(plan) if plan is not None else None), []
+
+    def _flushes(self, key: tuple[int, bool, int, int]) -> bool:
+        """Whether the timed steps of the plan ``key`` flushed the allocator's cache in at least half of them."""
+        return 2 * self._flushed.get(key, 0) >= len(self._ms.get(key, ()))
+
+    def flushes_where_kept(self) -> bool:
+        """Whether the plan the trials kept flushed the allocator's cache in at least half of its planned steps after
+        the first (which settles, as a trial's does), ``TRIAL_STEPS - 1`` of them, where its timed steps flushed in
+        fewer than half: it was timed in the cache the plan timed before it left, and runs in another (on an H100,
+        Llama-1B's 5 blocks and 1.3 GiB offloaded under 0.9x of its peak timed 203 ms a step without a flush, and
+        kept, flushed in every step at 223 ms). Asked once: :meth:`instead_of_flushing` answers it."""
+        watched = self._kept_flushes[1:]
+        if self._rechosen or self._kept is None or len(watched) < TRIAL_STEPS - 1 or self._flushes(self._kept):
+            return False
+        return 2 * sum(watched) >= len(watched)
+
+    def instead_of_flushing(self, candidates: Sequence[Plan]) -> tuple[Plan | None, str]:
+        """Where :meth:`flushes_where_kept`: the fastest other plan timed among ``candidates`` that fits and whose
+        timed steps did not flush the cache, and the words to report it with (``None``: no such plan; the kept plan
+        stays). Once per profile."""
+        self._rechosen = True
+        kept = self._kept
+        others = [
+            p for p in candidates if p.fits and timing_key(p) not in (kept, None) and not self._flushes(timing_key(p))
+        ]
+        other = self.fastest([p for p in others if self._ms.get(timing_key(p))])
+        if other is None or kept is None:
+            return None, ""
+        text = words.kept_plan_flushed(self._pace(kept), self._pace(timing_key(other)))
+        self._keep(other)
+        return other, text
 
     def _below_flushing(self, compared: list[Plan], candidates: Sequence[Plan]) -> Plan | None:
         """A plan to time below the fastest of ``compared`` where that one's timed steps flushed the allocator's cache
@@ -202,8 +253,7 @@ class PlanTrials:
         fastest = self.fastest(compared)
         if fastest is None:
             return None
-        key = timing_key(fastest)
-        if 2 * self._flushed.get(key, 0) < len(self._ms[key]):
+        if not self._flushes(timing_key(fastest)):
             return None
         shapes = {timing_key(p) for p in compared}
         lower = [

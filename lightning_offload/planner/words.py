@@ -100,6 +100,14 @@ def emptying_cache(budget: int, reserved: int, peak: int) -> str:
     )
 
 
+def kept_plan_flushed(kept_ms: float, other_ms: float) -> str:
+    """Why the trials' next fastest plan runs: the one they kept flushed the cache where its timed steps did not."""
+    return (
+        f"the plan the trials kept ({kept_ms:.1f} ms a step as timed) flushed the allocator's cache in its steps "
+        f"since, which its timed steps did not: the next fastest plan timed ({other_ms:.1f} ms) runs instead: "
+    )
+
+
 _UNTIMED = "not timed ("
 
 

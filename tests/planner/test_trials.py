@@ -175,6 +175,57 @@ def test_a_step_down_is_timed_once_per_round() -> None:
     assert kept == STEPPED[4]
 
 
+def _kept_then_planned(flushes: list[bool], flushing_in_trials: set[int] | None = None) -> PlanTrials:
+    """Trials keep the plan without copies (6 blocks, 100 ms; 3 blocks next at 110 ms); its planned steps then flush
+    the allocator's cache as ``flushes`` says."""
+    trials = PlanTrials(enabled=True)
+    _, kept, _ = run_trials(trials, STEP_MS, flushing=flushing_in_trials)
+    assert kept == CANDIDATES[3]
+    for flushed in flushes:
+        trials.count(kept, 0.0, pinned=False, flushed=flushed)  # planned steps are not timed
+    return trials
+
+
+def test_a_kept_plan_that_flushes_where_its_timed_steps_did_not_gives_way_to_the_next_fastest() -> None:
+    """Timed without a flush, kept, it flushed the cache in at least half of its planned steps after the first (it ran
+    in the cache another plan left): the next fastest plan timed runs, once."""
+    trials = _kept_then_planned([False, True, True, False])
+    assert trials.flushes_where_kept()
+    choice = choose_plan(trials, PROFILE, CANDIDATES, lesson=None, memory=False)
+    assert choice is not None
+    other, words, lesson = choice
+    assert other == CANDIDATES[2] and lesson == (True, False)
+    assert words.startswith("the plan the trials kept (100.0 ms a step as timed) flushed the allocator's cache")
+    assert "the next fastest plan timed (110.0 ms) runs instead: " in words
+    assert not trials.flushes_where_kept()  # once: the plan chosen instead is not watched for a second swap
+    for flushed in [True] * TRIAL_STEPS:
+        assert not trials.count(other, 0.0, pinned=False, flushed=flushed)
+    assert choose_plan(trials, PROFILE, CANDIDATES, lesson=None, memory=False) is None
+
+
+@pytest.mark.parametrize(
+    ("flushes", "flushing_in_trials"),
+    [
+        ([True, False, False, True], None),  # the first step settles: one flush in three is not half
+        ([False, True, True], None),  # two planned steps after the first are too few to tell
+        ([False, True, True, True], {6}),  # its timed steps flushed too: their timing counted the flushes
+    ],
+)
+def test_a_kept_plan_stays_where_its_flushes_do_not_differ_from_its_timed_steps(
+    flushes: list[bool], flushing_in_trials: set[int] | None
+) -> None:
+    trials = _kept_then_planned(flushes, flushing_in_trials)
+    assert not trials.flushes_where_kept()
+    assert choose_plan(trials, PROFILE, CANDIDATES, lesson=None, memory=False) is None
+
+
+def test_no_other_timed_plan_without_flushes_leaves_the_flushing_kept_plan() -> None:
+    trials = _kept_then_planned([False, True, True, True], flushing_in_trials={0, 3})
+    assert trials.flushes_where_kept()
+    assert choose_plan(trials, PROFILE, CANDIDATES, lesson=None, memory=False) is None  # the others flushed, timed
+    assert not trials.flushes_where_kept()
+
+
 def _choose_until_kept(
     trials: PlanTrials, lesson: tuple[bool, bool] | None
 ) -> tuple[list[Plan], Plan, tuple[bool, bool] | None]:
