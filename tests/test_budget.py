@@ -840,6 +840,47 @@ def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cach
         assert_same_grads(step["grads"], reference_grads(x))
 
 
+def test_a_kept_plan_that_flushes_where_its_timed_steps_did_not_gives_way_to_the_next_fastest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Through the engine: the allocator's counter of cache flushes rises in every planned step of the plan the trials
+    kept, never in its timed ones. After its first step and three such, the next fastest plan timed runs, once."""
+    x = torch.randn(BATCH, WIDTH)
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
+    steps = run_steps(engine, model, x, 1)  # the engine makes its planner at its first step (a measuring one)
+    planner = engine.planner
+    assert planner is not None
+    flushes = [0]
+    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
+    end_step = planner.end_step
+    kept: list[Plan] = []
+
+    def flushing_end(*args: Any, **kwargs: Any) -> None:
+        plan = planner.plan
+        if plan is not None and not planner.trying and not planner.measuring:
+            kept.append(plan)
+            if plan_trials.timing_key(plan) == plan_trials.timing_key(kept[0]):
+                flushes[0] += 1
+        end_step(*args, **kwargs)
+
+    planner.end_step = flushing_end  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        steps += run_steps(engine, model, x, 40)
+    timed = {(k, nbytes, light): ms for k, nbytes, ms, light in planner.timed_plans}
+    assert len(timed) > 1
+    first = [p for p in kept if p == kept[0]]
+    assert len(first) == 4 and kept[:4] == first  # its first planned step settles; the next three flushed
+    other = kept[4]
+    assert other != kept[0] and all(p == other for p in kept[4:])  # and stays
+    ranked = sorted(timed.items(), key=lambda item: item[1])
+    assert ranked[0][0] == (kept[0].checkpoint_blocks, kept[0].offload_bytes, kept[0].light_blocks)
+    assert ranked[1][0] == (other.checkpoint_blocks, other.offload_bytes, other.light_blocks)
+    assert "the plan the trials kept" in caplog.text and "runs instead" in caplog.text
+    assert max(memory.peaks[2:]) <= budget
+    for step in steps:
+        assert_same_grads(step["grads"], reference_grads(x))
+
+
 @pytest.mark.parametrize("trials", [True, False])
 @pytest.mark.parametrize(
     ("budget_share", "reserved_share", "empties"), [(8, 1.3, True), (8, 1.05, False), (6, 1.3, False)]
