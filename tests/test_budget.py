@@ -11,7 +11,7 @@ import logging
 import random
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -792,6 +792,28 @@ def test_trials_time_the_plans_worth_comparing_and_keep_the_fastest(caplog: pyte
         assert_same_grads(step["grads"], reference_grads(x))
 
 
+def flushing_where(
+    x: torch.Tensor, flushing: Callable[[BudgetPlanner], bool], count: int
+) -> tuple[int, FakeMemory, OffloadEngine, list[dict[str, Any]]]:
+    """A slow-hooked engine with trials run ``count`` steps after its first, the allocator's counter of cache flushes
+    rising in each step that ``flushing(planner)`` names as the step ends: the budget, memory, engine and the steps
+    run."""
+    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
+    steps = run_steps(engine, model, x, 1)  # the engine makes its planner at its first step (a measuring one)
+    planner = engine.planner
+    assert planner is not None
+    flushes = [0]
+    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
+    end_step = planner.end_step
+
+    def flushing_end(*args: Any, **kwargs: Any) -> None:
+        flushes[0] += flushing(planner)
+        end_step(*args, **kwargs)
+
+    planner.end_step = flushing_end  # type: ignore[method-assign]
+    return budget, memory, engine, steps + run_steps(engine, model, x, count)
+
+
 def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cache(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -803,24 +825,15 @@ def test_trials_time_one_plan_more_where_the_fastest_flushed_the_allocators_cach
     unflushed = engine.planner.plan  # type: ignore[union-attr]
     assert unflushed is not None and not engine.planner.trying  # type: ignore[union-attr]
 
-    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
-    steps = run_steps(engine, model, x, 1)  # the engine makes its planner at its first step (a measuring one)
+    def flushing(planner: BudgetPlanner) -> bool:
+        plan = planner.plan
+        same = plan is not None and plan_trials.timing_key(plan) == plan_trials.timing_key(unflushed)
+        return same and not planner.measuring
+
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        budget, memory, engine, steps = flushing_where(x, flushing, 40)
     planner = engine.planner
     assert planner is not None
-    flushes = [0]
-    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
-    end_step = planner.end_step
-
-    def flushing_end(*args: Any, **kwargs: Any) -> None:
-        plan = planner.plan
-        flushing = plan is not None and plan_trials.timing_key(plan) == plan_trials.timing_key(unflushed)
-        if flushing and not planner.measuring:
-            flushes[0] += 1
-        end_step(*args, **kwargs)
-
-    planner.end_step = flushing_end  # type: ignore[method-assign]
-    with caplog.at_level(logging.INFO, logger="lightning_offload"):
-        steps += run_steps(engine, model, x, 40)
     assert not planner.trying
     timed = {(k, nbytes, light): ms for k, nbytes, ms, light in planner.timed_plans}
     below = [key for key in timed if key != (unflushed.checkpoint_blocks, unflushed.offload_bytes, 0)]
@@ -846,26 +859,19 @@ def test_a_kept_plan_that_flushes_where_its_timed_steps_did_not_gives_way_to_the
     """Through the engine: the allocator's counter of cache flushes rises in every planned step of the plan the trials
     kept, never in its timed ones. After its first step and three such, the next fastest plan timed runs, once."""
     x = torch.randn(BATCH, WIDTH)
-    budget, model, memory, engine = slow_hooked_engine(x, trials=True)
-    steps = run_steps(engine, model, x, 1)  # the engine makes its planner at its first step (a measuring one)
+    kept: list[Plan] = []  # the plans of the planned steps, in order
+
+    def flushing(planner: BudgetPlanner) -> bool:
+        plan = planner.plan
+        if plan is None or planner.trying or planner.measuring:
+            return False
+        kept.append(plan)
+        return plan_trials.timing_key(plan) == plan_trials.timing_key(kept[0])
+
+    with caplog.at_level(logging.INFO, logger="lightning_offload"):
+        budget, memory, engine, steps = flushing_where(x, flushing, 40)
     planner = engine.planner
     assert planner is not None
-    flushes = [0]
-    memory.alloc_retries = lambda: flushes[0]  # type: ignore[attr-defined]
-    end_step = planner.end_step
-    kept: list[Plan] = []
-
-    def flushing_end(*args: Any, **kwargs: Any) -> None:
-        plan = planner.plan
-        if plan is not None and not planner.trying and not planner.measuring:
-            kept.append(plan)
-            if plan_trials.timing_key(plan) == plan_trials.timing_key(kept[0]):
-                flushes[0] += 1
-        end_step(*args, **kwargs)
-
-    planner.end_step = flushing_end  # type: ignore[method-assign]
-    with caplog.at_level(logging.INFO, logger="lightning_offload"):
-        steps += run_steps(engine, model, x, 40)
     timed = {(k, nbytes, light): ms for k, nbytes, ms, light in planner.timed_plans}
     assert len(timed) > 1
     first = [p for p in kept if p == kept[0]]

@@ -236,10 +236,10 @@ class PlanTrials:
         stays). Once per profile."""
         self._rechosen = True
         kept = self._kept
-        others = [
-            p for p in candidates if p.fits and timing_key(p) not in (kept, None) and not self._flushes(timing_key(p))
-        ]
-        other = self.fastest([p for p in others if self._ms.get(timing_key(p))])
+        # (A plan never timed counts as flushing: :meth:`fastest` would leave it out anyway.)
+        other = self.fastest(
+            [p for p in candidates if p.fits and timing_key(p) != kept and not self._flushes(timing_key(p))]
+        )
         if other is None or kept is None:
             return None, ""
         text = words.kept_plan_flushed(self._pace(kept), self._pace(timing_key(other)))
