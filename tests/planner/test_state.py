@@ -26,6 +26,7 @@ def _record() -> InputRecord:
         for ms in (30.0, 21.0, 22.0, 23.0 if timed is plan else 19.0):
             trials.count(timed, ms, pinned=False, flushed=ms == 23.0)
     assert trials.choose(profile, [plan, other], memory=False)[0] == other and trials.done
+    assert not trials.count(other, 20.0, pinned=False, flushed=True)  # the kept plan's first planned step
     return InputRecord(
         trials,
         profile=StepProfile(
@@ -58,7 +59,8 @@ def test_every_field_of_an_input_record_is_carried_or_restarted_by_name() -> Non
     back = _record_from(json.loads(json.dumps(state)), trials_enabled=True)
     for name in fields - set(RESTARTED) - {"trials"}:
         assert getattr(back, name) == getattr(rec, name), name
-    assert back.trials.as_state() == rec.trials.as_state() and back.trials.timed_plans() == rec.trials.timed_plans()
+    # Every attribute of trials that ended comes back: one added to PlanTrials but not to its state fails here.
+    assert rec.trials.done and vars(back.trials) == vars(rec.trials)
     for name, value in RESTARTED.items():
         assert getattr(back, name) == value, name
 
