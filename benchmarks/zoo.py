@@ -383,6 +383,9 @@ class ArmRecord:
         self.last_plan = ""
         self.snapshot: list[tuple[str, float]] = []
         self.snapshot_total = 0.0
+        # Per batch start of the planned arm, then at an out-of-memory error: the allocator's allocated, reserved and
+        # inactive-split MiB (free pieces of segments that hold live blocks: fragments a flush cannot return).
+        self.allocator: list[list[int]] = []
         self._last = 0.0
 
     def batch_starts(self, kind: str, sync: Callable[[], None]) -> None:
@@ -392,6 +395,16 @@ class ArmRecord:
             self.times.append(now - self._last)
         self._last = now
         self.kinds.append(kind)
+        if kind:  # (read after the clock: the few microseconds count in this batch, not in the one timed before)
+            self.read_allocator()
+
+    def read_allocator(self) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats = torch.cuda.memory_stats()
+            keys = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes")
+            self.allocator.append([stats.get(f"{key}.all.current", 0) >> 20 for key in keys])
 
     def finish(self, sync: Callable[[], None]) -> None:
         sync()
@@ -473,6 +486,7 @@ class _Phase:
 
 
 def _oom(record: ArmRecord, exc: BaseException, phase: _Phase) -> None:
+    record.read_allocator()  # what the failed allocation left: its fragments among them
     _on_oom(record)
     kind = record.kinds[-1] if record.kinds else ""
     record.oom = {
@@ -715,6 +729,11 @@ def _arm_running(
         yield
     except torch.cuda.OutOfMemoryError as exc:
         _oom(record, exc, phase)
+        # Raised outside the engine's context (backward, the optimizer's step): told as a user's loop would tell it, so
+        # the planner's trace holds the failed step.
+        failed = getattr(engine, "failed", None)
+        if failed is not None:
+            failed(exc)
     finally:
         record.finish(sync)
         _keep_planner_facts(record, planner())
@@ -854,6 +873,8 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         batches=len(planned.kinds),
         kinds="".join(kind[:1] or "-" for kind in planned.kinds),
         plan=planned.plan or None,
+        # [allocated, reserved, inactive split] MiB at each planned-arm batch start, the last at an OOM if one came.
+        allocator_mib=planned.allocator,
         observations=planned.observations,
         trace=planned.trace,
         planner_warnings=handler.messages[:5],

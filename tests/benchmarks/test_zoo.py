@@ -161,3 +161,32 @@ def test_a_plan_said_to_fit_that_ran_out_of_memory_is_the_planners_miss() -> Non
     assert zoo.failed_plan_fitted(fitted)
     assert not zoo.failed_plan_fitted(frugal) and not zoo.failed_plan_fitted(measuring)
     assert not zoo.failed_plan_fitted(None) and not zoo.failed_plan_fitted({"events": []})
+
+
+def test_an_out_of_memory_error_raised_outside_the_engine_is_told_to_it() -> None:
+    """Backward or the optimizer's step ran out of memory outside the engine's context: the arm records it, and the
+    engine is told as a user's loop would tell it (its planner's trace then holds the failed step)."""
+    import torch
+
+    told: list[BaseException] = []
+
+    class Unplanned:  # an engine without `failed` (a model that is not planned): left alone
+        def close(self) -> None:
+            pass
+
+    class Engine(Unplanned):
+        def failed(self, exc: BaseException) -> None:
+            told.append(exc)
+
+    record = zoo.ArmRecord()
+    record.kinds = ["measuring", "trial"]
+    phase = zoo._Phase(torch.device("cpu"), track_peak=False)
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 132.00 MiB.")
+    with zoo._arm_running(record, phase, lambda: None, lambda: None, Engine()):
+        raise error
+    assert told == [error]
+    assert record.oom is not None and record.oom["step"] == 1 and record.oom["kind"] == "trial"
+    assert record.allocator == []  # no CUDA here: nothing read
+    with zoo._arm_running(zoo.ArmRecord(), phase, lambda: None, lambda: None, Unplanned()):
+        raise error
+    assert told == [error]
