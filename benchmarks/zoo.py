@@ -383,8 +383,8 @@ class ArmRecord:
         self.last_plan = ""
         self.snapshot: list[tuple[str, float]] = []
         self.snapshot_total = 0.0
-        # Per batch start of the planned arm, then at an out-of-memory error: the allocator's allocated, reserved and
-        # inactive-split MiB (free pieces of segments that hold live blocks: fragments a flush cannot return).
+        # Per batch start, then at an out-of-memory error: the allocator's allocated, reserved and inactive-split MiB
+        # (free pieces of segments that hold live blocks: fragments a flush cannot return).
         self.allocator: list[list[int]] = []
         self._last = 0.0
 
@@ -395,8 +395,7 @@ class ArmRecord:
             self.times.append(now - self._last)
         self._last = now
         self.kinds.append(kind)
-        if kind:  # (read after the clock: the few microseconds count in this batch, not in the one timed before)
-            self.read_allocator()
+        self.read_allocator()  # in every arm, so the few microseconds it takes weigh alike on the ratios
 
     def read_allocator(self) -> None:
         import torch
@@ -730,10 +729,16 @@ def _arm_running(
     except torch.cuda.OutOfMemoryError as exc:
         _oom(record, exc, phase)
         # Raised outside the engine's context (backward, the optimizer's step): told as a user's loop would tell it, so
-        # the planner's trace holds the failed step.
+        # the planner's trace holds the failed step. Unheard: what the planner says after the failure is not what it
+        # said before the step, which the row's `floor_warned` counts.
         failed = getattr(engine, "failed", None)
         if failed is not None:
-            failed(exc)
+            log = logging.getLogger("lightning_offload")
+            was, log.disabled = log.disabled, True
+            try:
+                failed(exc)
+            finally:
+                log.disabled = was
     finally:
         record.finish(sync)
         _keep_planner_facts(record, planner())
