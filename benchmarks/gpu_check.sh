@@ -23,17 +23,9 @@ python=${PYTHON:-python}
 status=0
 summary="${OUT}/summary.txt"
 : >"${summary}"
-
-part() {  # part NAME LIMIT_S COMMAND...: run COMMAND under LIMIT_S seconds, its output to $OUT/NAME.log
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "${limit}" "$@" >"${OUT}/${name}.log" 2>&1
-    rc=$?
-    printf '%-28s rc=%-3s %4ss\n' "${name}" "${rc}" "$(($(date +%s) - start))" | tee -a "${summary}"
-    tail -n 3 "${OUT}/${name}.log"
-    [ "${rc}" -eq 0 ] || status=1
-}
+logs=${OUT}
+# shellcheck source=benchmarks/parts.sh
+source "$(dirname "${BASH_SOURCE[0]}")/parts.sh"
 
 # tests/test_cli.py holds no GPU test and imports the optional CLI extra (jsonargparse), which a GPU machine may lack:
 # collecting it there fails the whole part.

@@ -18,7 +18,7 @@
 # The exit status is non-zero where any part failed.
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
-export PYTHONUNBUFFERED=1
+export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python}
 workloads=${WORKLOADS-llama1b-s4k,llama1b-s16k,llama8b-lora-s8k,small-h512}  # set but empty: no workloads
 work=$(mktemp -d)
@@ -28,18 +28,9 @@ mkdir -p "${results}"
 status=0
 summary="${OUT}/summary.txt"
 : >"${summary}"
-
-part() { # part NAME LIMIT_S DIR COMMAND...: run COMMAND in DIR (on its PYTHONPATH) under LIMIT_S seconds
-    local name=$1 limit=$2 dir=$3 start rc
-    shift 3
-    start=$(date +%s)
-    (cd "${dir}" && PYTHONPATH="${dir}${PYTHONPATH:+:${PYTHONPATH}}" timeout "${limit}" "$@") \
-        >"${results}/${name}.log" 2>&1
-    rc=$?
-    printf '%-20s rc=%-3s %4ss\n' "${name}" "${rc}" "$(($(date +%s) - start))" | tee -a "${summary}"
-    tail -n 3 "${results}/${name}.log"
-    [ "${rc}" -eq 0 ] || status=1
-}
+logs=${results}
+# shellcheck source=benchmarks/parts.sh
+source "$(dirname "${BASH_SOURCE[0]}")/parts.sh"
 
 keep() { # keep FROM NAME: a result the run wrote, into the pack
     if [ -f "$1" ]; then cp "$1" "${results}/$2"; fi
@@ -48,21 +39,22 @@ keep() { # keep FROM NAME: a result the run wrote, into the pack
 
 # The planner's budgets beside the plain step, the defaults and checkpointing; the baseline runs the planner's rows.
 if [ -n "${workloads}" ]; then
-    part workloads-head "${WORKLOADS_S:-280}" "${PWD}" "${python}" -m benchmarks --workloads "${workloads}" \
+    part workloads-head "${WORKLOADS_S:-280}" "${python}" -m benchmarks --workloads "${workloads}" \
         --modes none,ours-default,ac,ours-budget-0.9x,ours-budget-0.7x --out "${work}/head" --device-name head \
         --deadline "$((${WORKLOADS_S:-280} - 10))"
     keep "${work}/head/head.json" workloads-head.json
     if [ -n "${BASELINE:-}" ]; then
         baseline=$(cd "${BASELINE}" && pwd)
-        part workloads-baseline "${WORKLOADS_S:-280}" "${baseline}" "${python}" -m benchmarks \
-            --workloads "${workloads}" --modes none,ours-budget-0.9x,ours-budget-0.7x --out "${work}/baseline" \
-            --device-name baseline
+        # In the baseline's tree, with it alone on the path.
+        part workloads-baseline "${WORKLOADS_S:-280}" env -C "${baseline}" PYTHONPATH="${baseline}" "${python}" \
+            -m benchmarks --workloads "${workloads}" --modes none,ours-budget-0.9x,ours-budget-0.7x \
+            --out "${work}/baseline" --device-name baseline
         keep "${work}/baseline/baseline.json" workloads-baseline.json
     fi
 fi
 for slice in ${ZOO:-}; do
     index=${slice%%/*}
-    part "zoo-${index}" "${ZOO_S:-270}" "${PWD}" "${python}" -m benchmarks.zoo --part "${slice}" \
+    part "zoo-${index}" "${ZOO_S:-270}" "${python}" -m benchmarks.zoo --part "${slice}" \
         --out "${work}/zoo-${index}.json"
     keep "${work}/zoo-${index}.json" "zoo-${index}.json"
     keep "${work}/zoo-${index}-traces.json" "zoo-${index}-traces.json"

@@ -14,6 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "planner_check.sh"
 # Stands in for the interpreter: says where it ran and with what, and writes what the rig would at its --out.
 FAKE_PYTHON = """#!/bin/sh
 echo "ran in $PWD: $*"
+echo "path=$PYTHONPATH"
 out=""; name=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -86,6 +87,8 @@ def test_each_part_runs_in_its_tree_and_what_it_wrote_comes_back_packed(tmp_path
         f"ran in {baseline}: -m benchmarks --workloads small-h512 --modes none,ours-budget-0.9x,"
         in files["workloads-baseline.log"]
     )
+    assert f"path={ROOT}" in files["workloads-head.log"]  # this tree's package first on the path
+    assert f"path={baseline}\n" in files["workloads-baseline.log"]  # the baseline's alone
     assert "-m benchmarks.zoo --part 3/3" in files["zoo-3.log"]
 
 
