@@ -32,6 +32,7 @@ import logging
 import math
 import multiprocessing
 import random
+import re
 import statistics
 import sys
 import time
@@ -484,8 +485,33 @@ class _Phase:
             handle.remove()
 
 
+# What CUDA's out-of-memory message states of the allocator at the failed allocation.
+_CUDA_FIGURES = {
+    "requested": r"Tried to allocate ([0-9.]+ [KMGT]?i?B)",
+    "allocated": r"([0-9.]+ [KMGT]?i?B) is allocated by PyTorch",
+    "unallocated": r"([0-9.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated",
+}
+
+
+def cuda_figures_mib(message: str) -> dict[str, float]:
+    """The allocator's figures CUDA's out-of-memory ``message`` states (MiB, rounded as CUDA printed them): the request
+    that failed, what was allocated and what was reserved but unallocated (fragments, after the allocator's own flush)
+    at the failure; those it does not state are left out."""
+    from lightning_offload.options import size_in_bytes
+
+    figures = {}
+    for name, pattern in _CUDA_FIGURES.items():
+        found = re.search(pattern, message)
+        size = size_in_bytes(found.group(1)) if found else None
+        if size is not None:
+            figures[name] = round(size / 2**20, 2)
+    return figures
+
+
 def _oom(record: ArmRecord, exc: BaseException, phase: _Phase) -> None:
-    record.read_allocator()  # what the failed allocation left: its fragments among them
+    # Read after the exception unwound: the failed step's tensors freed since count as reserved but unallocated here;
+    # CUDA's message (``cuda_mib``) holds the figures at the failure.
+    record.read_allocator()
     _on_oom(record)
     kind = record.kinds[-1] if record.kinds else ""
     record.oom = {
@@ -493,6 +519,7 @@ def _oom(record: ArmRecord, exc: BaseException, phase: _Phase) -> None:
         "kind": kind,
         "in_optimizer": phase.in_optimizer,
         "msg": str(exc)[:300],
+        "cuda_mib": cuda_figures_mib(str(exc)),
     }
 
 

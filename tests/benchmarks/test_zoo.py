@@ -193,3 +193,18 @@ def test_an_out_of_memory_error_raised_outside_the_engine_is_told_to_it() -> Non
     with zoo._arm_running(zoo.ArmRecord(), phase, lambda: None, lambda: None, Unplanned()):
         raise error
     assert told == [error]
+
+
+def test_an_out_of_memory_error_keeps_the_figures_cuda_states_at_the_failure() -> None:
+    """The allocator read after the exception unwound holds the failed step's freed tensors as unallocated; CUDA's
+    message states the figures at the failed allocation (row 31 of the H200 zoo at `c985b31`)."""
+    message = (
+        "CUDA out of memory. Tried to allocate 132.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+        "136.96 GiB is free. Including non-PyTorch memory, this process has 2.83 GiB memory in use. 2.13 GiB "
+        "allowed; Of the allocated memory 1.89 GiB is allocated by PyTorch, and 139.72 MiB is reserved by PyTorch "
+        "but unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+    assert zoo.cuda_figures_mib(message) == {"requested": 132.0, "allocated": 1935.36, "unallocated": 139.72}
+    assert zoo.cuda_figures_mib("CUDA out of memory. Tried to allocate 2.00 GiB.") == {"requested": 2048.0}
+    assert zoo.cuda_figures_mib("CUDA error: an illegal memory access") == {}
