@@ -387,6 +387,9 @@ class ArmRecord:
         # Per batch start, then at an out-of-memory error: the allocator's allocated, reserved and inactive-split MiB
         # (free pieces of segments that hold live blocks: fragments a flush cannot return).
         self.allocator: list[list[int]] = []
+        # The allocator's flushes so far (a cap met: it freed its cache to retry an allocation), at each batch start
+        # and as the arm ends: which arm flushed in its timed batches, where a plan ran as fast as `ac` did not.
+        self.retries: list[int] = []
         self._last = 0.0
 
     def batch_starts(self, kind: str, sync: Callable[[], None]) -> None:
@@ -398,19 +401,31 @@ class ArmRecord:
         self.kinds.append(kind)
         self.read_allocator()  # in every arm, so the few microseconds it takes weigh alike on the ratios
 
-    def read_allocator(self) -> None:
+    def read_allocator(self, at_end: bool = False) -> None:
+        """Read the allocator (at a batch start or an out-of-memory error; ``at_end``: as the arm ends, its flushes
+        alone)."""
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             stats = torch.cuda.memory_stats()
             keys = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes")
-            self.allocator.append([stats.get(f"{key}.all.current", 0) >> 20 for key in keys])
+            if not at_end:
+                self.allocator.append([stats.get(f"{key}.all.current", 0) >> 20 for key in keys])
+            self.retries.append(int(stats.get("num_alloc_retries", 0)))
 
     def finish(self, sync: Callable[[], None]) -> None:
         sync()
         if self._last:
             self.times.append(time.perf_counter() - self._last)
+            self.read_allocator(at_end=True)
         self._last = 0.0
+
+    def flushes(self, batches: int) -> int | None:
+        """How often the allocator flushed its cache in the arm's last ``batches`` batches (``None``: not read, or the
+        arm ended at an error)."""
+        if self.oom is not None or self.error is not None or len(self.retries) <= batches:
+            return None
+        return self.retries[-1] - self.retries[-batches - 1]
 
     def settled(self, batches: int) -> bool:
         """Whether the last ``batches`` batches all ran a kept plan (``batches`` 0: never; the arm runs all its
@@ -898,6 +913,7 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         # Each arm's timed batches in seconds, as they came: a ratio that moves between runs is told apart from the
         # arm whose pace moved (a host-bound row's `none` ran twice as fast on one H100 as on another).
         batch_seconds={name: arm.times[-timed:] for name, arm in (("none", none), ("ac", ac), ("planned", planned))},
+        flushes_in_timed={name: arm.flushes(timed) for name, arm in (("none", none), ("ac", ac), ("planned", planned))},
         ac_fits=ac.oom is None,
         ac_peak_gib=ac.peak / GiB,
         planned_peak_gib=planned.peak / GiB,

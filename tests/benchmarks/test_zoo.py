@@ -119,6 +119,17 @@ def test_an_arm_settles_once_enough_batches_in_a_row_ran_a_kept_plan() -> None:
     assert not record.settled(1)
 
 
+def test_an_arm_counts_the_flushes_of_its_timed_batches() -> None:
+    """The allocator's flush count read at each batch start and as the arm ends (here by hand: no CUDA): the timed
+    batches' flushes are the count's rise over them; an arm that ended at an error or read nothing says nothing."""
+    record = zoo.ArmRecord()
+    record.retries = [0, 0, 3, 3, 4, 6]  # five batches: the second flushed 3 times, the fourth once, the last twice
+    assert record.flushes(3) == 3 and record.flushes(5) == 6 and record.flushes(1) == 2
+    assert record.flushes(6) is None and zoo.ArmRecord().flushes(1) is None
+    record.oom = {"step": 5}
+    assert record.flushes(3) is None
+
+
 @pytest.mark.parametrize(("pace_s", "timed"), [(0.5, 4), (0.075, 4), (0.05, 6), (0.01, 16), (0.001, 16)])
 def test_short_batches_are_timed_by_more_of_them(pace_s: float, timed: int) -> None:
     """An arm times about 0.3 s of batches, 4 at least and 16 at most; an arm that ran out of memory times 4."""
