@@ -894,6 +894,7 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     # What the planned arm left allocated once its model, optimizer and engine are gone (0 where nothing leaked).
     row["left_allocated_gib"] = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else 0.0
     none_s, ac_s, planned_s = none.step_seconds(timed), ac.step_seconds(timed), planned.step_seconds(timed)
+    arms = {"none": none, "ac": ac, "planned": planned}
     oom_kind = planned.oom["kind"] if planned.oom else None
     # The floor: the least any plan can hold. The optimizer's step holds what no plan changes (weights, gradients,
     # its state and its transient: measured in `none`), and the measuring steps are the most frugal steps there are.
@@ -912,8 +913,8 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         ratio_ac=planned_s / ac_s if planned_s and ac_s else None,
         # Each arm's timed batches in seconds, as they came: a ratio that moves between runs is told apart from the
         # arm whose pace moved (a host-bound row's `none` ran twice as fast on one H100 as on another).
-        batch_seconds={name: arm.times[-timed:] for name, arm in (("none", none), ("ac", ac), ("planned", planned))},
-        flushes_in_timed={name: arm.flushes(timed) for name, arm in (("none", none), ("ac", ac), ("planned", planned))},
+        batch_seconds={name: arm.times[-timed:] for name, arm in arms.items()},
+        flushes_in_timed={name: arm.flushes(timed) for name, arm in arms.items()},
         ac_fits=ac.oom is None,
         ac_peak_gib=ac.peak / GiB,
         planned_peak_gib=planned.peak / GiB,
