@@ -500,27 +500,26 @@ class _Phase:
             handle.remove()
 
 
-# What CUDA's out-of-memory message states of the allocator at the failed allocation.
+# What CUDA's out-of-memory message states of the allocator at the failed allocation, besides the request (read as
+# the engine reads it, `step_driver.requested_bytes`).
 _CUDA_FIGURES = {
-    "requested": r"Tried to allocate ([0-9.]+ [KMGT]?i?B)",
     "allocated": r"([0-9.]+ [KMGT]?i?B) is allocated by PyTorch",
     "unallocated": r"([0-9.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated",
 }
 
 
-def cuda_figures_mib(message: str) -> dict[str, float]:
-    """The allocator's figures CUDA's out-of-memory ``message`` states (MiB, rounded as CUDA printed them): the request
+def cuda_figures_mib(exc: BaseException) -> dict[str, float]:
+    """The allocator's figures CUDA's out-of-memory error ``exc`` states (MiB, as CUDA rounded them): the request
     that failed, what was allocated and what was reserved but unallocated (fragments, after the allocator's own flush)
     at the failure; those it does not state are left out."""
     from lightning_offload.options import size_in_bytes
+    from lightning_offload.step_driver import requested_bytes
 
-    figures = {}
+    sizes = {"requested": requested_bytes(exc) or None}
     for name, pattern in _CUDA_FIGURES.items():
-        found = re.search(pattern, message)
-        size = size_in_bytes(found.group(1)) if found else None
-        if size is not None:
-            figures[name] = round(size / 2**20, 2)
-    return figures
+        found = re.search(pattern, str(exc))
+        sizes[name] = size_in_bytes(found.group(1)) if found else None
+    return {name: round(size / 2**20, 2) for name, size in sizes.items() if size is not None}
 
 
 def _oom(record: ArmRecord, exc: BaseException, phase: _Phase) -> None:
@@ -534,7 +533,7 @@ def _oom(record: ArmRecord, exc: BaseException, phase: _Phase) -> None:
         "kind": kind,
         "in_optimizer": phase.in_optimizer,
         "msg": str(exc)[:300],
-        "cuda_mib": cuda_figures_mib(str(exc)),
+        "cuda_mib": cuda_figures_mib(exc),
     }
 
 

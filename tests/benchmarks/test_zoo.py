@@ -216,6 +216,11 @@ def test_an_out_of_memory_error_keeps_the_figures_cuda_states_at_the_failure() -
         "but unallocated. If reserved but unallocated memory is large try setting "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     )
-    assert zoo.cuda_figures_mib(message) == {"requested": 132.0, "allocated": 1935.36, "unallocated": 139.72}
-    assert zoo.cuda_figures_mib("CUDA out of memory. Tried to allocate 2.00 GiB.") == {"requested": 2048.0}
-    assert zoo.cuda_figures_mib("CUDA error: an illegal memory access") == {}
+    import torch
+
+    def figures(text: str) -> dict[str, float]:
+        return zoo.cuda_figures_mib(torch.cuda.OutOfMemoryError(text))
+
+    assert figures(message) == {"requested": 132.0, "allocated": 1935.36, "unallocated": 139.72}
+    assert figures("CUDA out of memory. Tried to allocate 2.00 GiB.") == {"requested": 2048.0}
+    assert figures("CUDA error: an illegal memory access") == {}
