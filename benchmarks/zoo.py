@@ -345,6 +345,13 @@ TIMED_MAX = 16
 _SNAPSHOT = False  # record the allocator's history in planned arms and summarise what was live at an out of memory
 
 
+def _block_site(block: dict[str, Any], depth: int = 3) -> str:
+    """Where a block of an allocator snapshot was allocated: its frames outside torch, or where none, torch's own."""
+    frames = block.get("frames") or []
+    ours = [f for f in frames if "/torch/" not in f["filename"] and "<" not in f["filename"]]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in (ours or frames)[:depth]) or "?"
+
+
 def _on_oom(record: ArmRecord) -> None:
     """Called inside the handler of an out-of-memory error, while the failing step's tensors are still alive."""
     if not _SNAPSHOT:
@@ -357,13 +364,69 @@ def _on_oom(record: ArmRecord) -> None:
         for block in segment["blocks"]:
             if block["state"] != "active_allocated":
                 continue
-            frames = block.get("frames") or []
-            ours = [f for f in frames if "/torch/" not in f["filename"] and "<" not in f["filename"]]
-            key = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in ours[:3]) or "?"
+            key = _block_site(block)
             live[key] = live.get(key, 0) + block["size"]
     top = sorted(live.items(), key=lambda kv: -kv[1])[:25]
     record.snapshot = [(key, size / GiB) for key, size in top]
     record.snapshot_total = sum(live.values()) / GiB
+
+
+def fragments(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Where an allocator snapshot's reserved but unallocated bytes lie: free blocks in segments that also hold live
+    blocks (a flush cannot return them), per segment with the sites of the live blocks beside the largest free one, the
+    segment's pool, stream and whether it is expandable; the 12 segments holding most such bytes, and the totals (MiB).
+    """
+    mib = 2**20
+    rows, totals = [], {"reserved": 0, "allocated": 0, "free_beside_live": 0, "largest_free": 0, "segments": 0}
+    kinds: dict[str, int] = {}
+    for segment in snapshot["segments"]:
+        blocks = sorted(segment["blocks"], key=lambda b: b["address"])
+        live = [b for b in blocks if b["state"] != "inactive"]
+        free = [b for b in blocks if b["state"] == "inactive"]
+        kind = f"{segment.get('segment_type', '?')}-{'expandable' if segment.get('is_expandable') else 'fixed'}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        totals["segments"] += 1
+        totals["reserved"] += segment["total_size"]
+        totals["allocated"] += sum(b["size"] for b in live)
+        if not live or not free:
+            continue
+        largest = max(free, key=lambda b: b["size"])
+        index = blocks.index(largest)
+        beside = [_block_site(b, 2) for b in (blocks[index - 1 : index] + blocks[index + 1 : index + 2])]
+        sites: dict[str, int] = {}
+        for b in live:
+            sites[_block_site(b, 2)] = sites.get(_block_site(b, 2), 0) + b["size"]
+        held = sum(b["size"] for b in free)
+        totals["free_beside_live"] += held
+        totals["largest_free"] = max(totals["largest_free"], largest["size"])
+        rows.append(
+            {
+                "kind": kind,
+                "stream": segment.get("stream", 0),
+                "total": round(segment["total_size"] / mib, 1),
+                "free": round(held / mib, 1),
+                "free_blocks": len(free),
+                "largest_free": round(largest["size"] / mib, 1),
+                "beside_largest": beside,
+                "live_sites": [[k, round(v / mib, 1)] for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:3]],
+            }
+        )
+    rows.sort(key=lambda r: -r["free"])
+    summary: dict[str, Any] = {k: round(v / mib, 1) for k, v in totals.items() if k != "segments"}
+    summary.update(segments=totals["segments"], kinds=kinds, worst=rows[:12])
+    return summary
+
+
+def _watch_out_of_memory(record: ArmRecord) -> None:
+    """With ``--snapshot``, where each segment's free bytes lay at the failed allocation itself (CUDA calls the
+    observer after its own flush, before it raises, while every tensor of the step is alive)."""
+    import torch
+
+    def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        if record.fragments is None:
+            record.fragments = {"request_mib": round(alloc / 2**20, 1), **fragments(torch.cuda.memory._snapshot())}
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
 
 
 class ArmRecord:
@@ -384,6 +447,7 @@ class ArmRecord:
         self.last_plan = ""
         self.snapshot: list[tuple[str, float]] = []
         self.snapshot_total = 0.0
+        self.fragments: dict[str, Any] | None = None  # with --snapshot: the free bytes' place at a failure
         # Per batch start, then at an out-of-memory error: the allocator's allocated, reserved and inactive-split MiB
         # (free pieces of segments that hold live blocks: fragments a flush cannot return).
         self.allocator: list[list[int]] = []
@@ -724,7 +788,7 @@ def run_callback(
     batches = steps * config["accumulate"]
     precision = "bf16-mixed" if config["precision"] == "bf16-mixed" else "32-true"
     phase = _Phase(device, track_peak=arm == "none", torch_hooks=False)
-    with _arm_running(record, phase, sync, lambda: planners[0]):
+    with _arm_running(record, phase, sync, lambda: planners[0], planned=arm == "planned"):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
             for _ in range(config["fits"]):
                 callbacks = [c for c in (offload, Clock(offload)) if c is not None]
@@ -759,12 +823,20 @@ RUNNERS = {"callback": run_callback, "context": run_context, "fabric": run_fabri
 
 @contextlib.contextmanager
 def _arm_running(
-    record: ArmRecord, phase: _Phase, sync: Callable[[], None], planner: Callable[[], Any], engine: Any = None
+    record: ArmRecord,
+    phase: _Phase,
+    sync: Callable[[], None],
+    planner: Callable[[], Any],
+    engine: Any = None,
+    planned: bool = False,
 ) -> Iterator[None]:
     """Run an arm's loop: an out-of-memory error ends the arm and is recorded; whatever happens, the last batch's
-    time and the planner's facts are kept, ``engine`` (if any) is closed and the optimizer hooks are removed."""
+    time and the planner's facts are kept, ``engine`` (if any) is closed and the optimizer hooks are removed.
+    ``planned``: the arm runs a planner (implied by ``engine``)."""
     import torch
 
+    if _SNAPSHOT and phase.device.type == "cuda" and (engine is not None or planned):
+        _watch_out_of_memory(record)
     try:
         yield
     except torch.cuda.OutOfMemoryError as exc:
@@ -929,6 +1001,8 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
     )
     if planned.snapshot:
         row["oom_snapshot"] = {"live_gib": planned.snapshot_total, "by_site": planned.snapshot}
+    if planned.fragments is not None:
+        row["oom_fragments"] = planned.fragments
     if ac.oom is not None:
         row["ratio_ac"] = None
     return row

@@ -224,3 +224,43 @@ def test_an_out_of_memory_error_keeps_the_figures_cuda_states_at_the_failure() -
     assert figures(message) == {"requested": 132.0, "allocated": 1935.36, "unallocated": 139.72}
     assert figures("CUDA out of memory. Tried to allocate 2.00 GiB.") == {"requested": 2048.0}
     assert figures("CUDA error: an illegal memory access") == {}
+
+
+def test_fragments_are_the_free_blocks_of_segments_that_hold_live_ones() -> None:
+    mib = 2**20
+
+    def block(address: int, size: int, state: str, where: str) -> dict[str, object]:
+        return {
+            "address": address,
+            "size": size * mib,
+            "state": state,
+            "frames": [{"filename": where, "line": 1, "name": "f"}],
+        }
+
+    held = {
+        "segment_type": "large",
+        "is_expandable": True,
+        "stream": 7,
+        "total_size": 60 * mib,
+        "blocks": [
+            block(0, 20, "active_allocated", "/x/adamw.py"),
+            block(20 * mib, 18, "inactive", "/x/free.py"),
+            block(38 * mib, 2, "inactive", "/x/free.py"),
+            block(40 * mib, 20, "active_allocated", "/x/model.py"),
+        ],
+    }
+    empty = {
+        "segment_type": "small",
+        "is_expandable": False,
+        "total_size": 2 * mib,
+        "blocks": [block(0, 2, "inactive", "/x/a.py")],
+    }
+    summary = zoo.fragments({"segments": [held, empty]})
+    assert summary["reserved"] == 62 and summary["allocated"] == 40
+    # The small segment is wholly free (a flush returns it): only the 20 MiB between live blocks count.
+    assert summary["free_beside_live"] == 20 and summary["largest_free"] == 18
+    assert summary["kinds"] == {"large-expandable": 1, "small-fixed": 1}
+    (worst,) = summary["worst"]
+    assert worst["stream"] == 7 and worst["free_blocks"] == 2
+    assert worst["beside_largest"] == ["adamw.py:1:f", "free.py:1:f"]
+    assert [site for site, _ in worst["live_sites"]] == ["adamw.py:1:f", "model.py:1:f"]
