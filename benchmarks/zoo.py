@@ -342,6 +342,7 @@ PLAIN_BATCHES = 6
 # a median of 4 such batches moved a row by 0.5x checkpointing between runs.
 TIMED_S = 0.3
 TIMED_MAX = 16
+RERUN_SAID = "running it again under"  # what the engine says as a step that ran out of memory runs again
 _SNAPSHOT = False  # record the allocator's history in planned arms and summarise what was live at an out of memory
 
 
@@ -628,12 +629,25 @@ def run_context(
     phase = _Phase(device, track_peak=arm == "none")
     with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
-            _context_loop(config, model, optimizer, off, steps, device, record, sync, settle)
+            autocast = config["precision"] == "bf16-mixed"
+            _train(
+                config,
+                model,
+                optimizer,
+                off,
+                steps,
+                device,
+                record,
+                sync,
+                settle,
+                lambda loss: loss.backward(),
+                autocast,
+            )
     _arm_peaks(record, phase, device)
     return record
 
 
-def _context_loop(
+def _train(
     config: dict[str, Any],
     model: Any,
     optimizer: Any,
@@ -642,27 +656,38 @@ def _context_loop(
     device: Any,
     record: ArmRecord,
     sync: Callable[[], None],
-    settle: int = 0,
+    settle: int,
+    backward: Callable[[Any], None],
+    autocast: bool = False,
 ) -> None:
+    """Up to ``steps`` optimizer steps, each after one accumulation window of batches, as a user's loop runs them:
+    the planned arm runs each window through ``off.run_step``, which runs it again where it ran out of memory and the
+    planner made the next step more frugal (the window clears the gradients first, so a window run again adds them
+    once)."""
     import torch
 
-    autocast = config["precision"] == "bf16-mixed"
-    for step in range(steps * config["accumulate"]):
-        batch = make_batch(config, device, step)
+    def window(first: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for step in range(first, first + config["accumulate"]):
+            batch = make_batch(config, device, step)
+            if off is not None:
+                off.input_changed(tuple(batch[0].shape))
+            # The step begins where the engine begins it (install), so the planner's view of this batch is known.
+            context = off if off is not None else contextlib.nullcontext()
+            with context, torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+                record.batch_starts(_kind(getattr(off, "planner", None)), sync)
+                loss = compute_loss(config, model, batch) / config["accumulate"]
+            backward(loss)
+            del loss
+
+    for first in range(0, steps * config["accumulate"], config["accumulate"]):
         if off is not None:
-            off.input_changed(tuple(batch[0].shape))
-        # The step begins where the engine begins it (install), so the planner's view of this batch is known.
-        context = off if off is not None else contextlib.nullcontext()
-        with context, torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-            record.batch_starts(_kind(getattr(off, "planner", None)), sync)
-            loss = compute_loss(config, model, batch) / config["accumulate"]
-        loss.backward()
-        del loss
-        if (step + 1) % config["accumulate"] == 0:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if record.settled(settle):
-                break
+            off.run_step(lambda first=first: window(first))
+        else:
+            window(first)
+        optimizer.step()
+        if record.settled(settle):
+            break
 
 
 def run_fabric(
@@ -689,20 +714,7 @@ def run_fabric(
     phase = _Phase(device, track_peak=arm == "none")
     with _arm_running(record, phase, sync, lambda: getattr(off, "planner", None), off):
         with activation_checkpointing(config, model.module) if arm == "ac" else contextlib.nullcontext():
-            for step in range(steps * config["accumulate"]):
-                batch = make_batch(config, device, step)
-                if off is not None:
-                    off.input_changed(tuple(batch[0].shape))
-                with off if off is not None else contextlib.nullcontext():
-                    record.batch_starts(_kind(getattr(off, "planner", None)), sync)
-                    loss = compute_loss(config, model, batch) / config["accumulate"]
-                fabric.backward(loss)
-                del loss
-                if (step + 1) % config["accumulate"] == 0:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if record.settled(settle):
-                        break
+            _train(config, model, optimizer, off, steps, device, record, sync, settle, fabric.backward)
     _arm_peaks(record, phase, device)
     return record
 
@@ -978,6 +990,8 @@ def run_config(config: dict[str, Any], steps: int, tiny: bool) -> dict[str, Any]
         fits_floor=floor_fits if device.type == "cuda" else None,
         optimizer_peak_gib=none.optimizer_peak / GiB,
         oom_planned=int(floor_fits and planned.oom is not None and oom_kind in ("trial", "planned")),
+        # Steps that ran out of memory and ran again under a more frugal plan (``run_step``; the callback's batches).
+        reruns=sum(RERUN_SAID in message for message in handler.messages),
         oom_step=planned.oom,
         floor_warned=planned.floor_warned,
         ratio_none=planned_s / none_s if planned_s and none_s else None,
@@ -1080,6 +1094,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "errors": len(rows) - len(ran),
         "floor_fits": len(fitting),
         "oom_planned": sum(r.get("oom_planned", 0) for r in ran),
+        "reruns": sum(r.get("reruns", 0) for r in ran),
+        "rows_with_reruns": [r["config"] for r in ran if r.get("reruns")],
         # The user's view, whatever the planner concluded after the fact: ours ran out of memory in a trial or planned
         # step where checkpointing every block trained under the same cap.
         "oom_where_ac_fits": sum(
@@ -1131,17 +1147,19 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "block checkpointed under the same cap (`ac`; - where it ran out of memory); (trials): the planned arm's last "
         "batch came while it still timed plans, so the ratio compares trial steps.",
         "",
-        "| config | cap GiB | floor fits | OOM planned | x none | x ac | ac fits | measuring+trial / batches | plan |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| config | cap GiB | floor fits | OOM planned | run again | x none | x ac | ac fits "
+        "| measuring+trial / batches | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {fmt(r.get('cap_gib'))} | error: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['config']} | {fmt(r.get('cap_gib'))} | error: {r['error'][:80]} | | | | | | | |")
             continue
         trials = "" if r.get("ratio_none") is None or timed_in_plans(r) else " (trials)"
         lines.append(
             f"| {r['config']} | {fmt(r.get('cap_gib'))} | {fmt(r.get('fits_floor'))} | {r.get('oom_planned')} | "
-            f"{fmt(r.get('ratio_none'))}{trials} | {fmt(r.get('ratio_ac'))}{trials} | {fmt(r.get('ac_fits'))} | "
+            f"{r.get('reruns', '-')} | {fmt(r.get('ratio_none'))}{trials} | {fmt(r.get('ratio_ac'))}{trials} | "
+            f"{fmt(r.get('ac_fits'))} | "
             f"{r.get('measuring_trial_steps')} / {r.get('batches')} | {(r.get('plan') or '')[:90]} |"
         )
     lines += ["", "```", json.dumps(summary(rows), indent=1), "```", ""]
@@ -1274,6 +1292,7 @@ def _line(row: dict[str, Any]) -> str:
     r = row
     return (
         f"{r['config']}: cap {r.get('cap_gib') or 0:.2f} floor_fits={r.get('fits_floor')} oom={r.get('oom_planned')} "
+        f"reruns={r.get('reruns')} "
         f"x_none={r.get('ratio_none')} x_ac={r.get('ratio_ac')} kinds={r.get('kinds')} wall={r.get('wall_s', 0):.0f}s "
         f"plan={r.get('plan')} oom_step={r.get('oom_step')}"
     )

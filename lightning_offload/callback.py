@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lightning_offload.fit_engine import (
     engine_for_fit,
     install_for_batch,
     leaves_after_backward,
+    rerun_when_eased,
     say_if_floor_over,
 )
 from lightning_offload.host_pool import release_host_memory
@@ -113,6 +115,7 @@ class ActivationOffloadCallback(Callback):
         self._plans = KeptPlans()  # the last fit's plans, for the next (and checkpoints)
         self._active = False
         self._leave_after_backward = True
+        self._unwrap: Callable[[], None] | None = None  # undoes the batches' running again (``rerun_when_eased``)
         self._last_stats = OffloadStats()
         self._batch_started = False
 
@@ -138,6 +141,7 @@ class ActivationOffloadCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_engine"] = None  # streams, events and host buffers do not cross processes
+        state["_unwrap"] = None  # (undoes a wrapper of this process's module)
         for name in ("log", "log_dict"):  # bound methods of the module Lightning attaches per fit: the whole model
             state.pop(name, None)
         return state
@@ -169,6 +173,8 @@ class ActivationOffloadCallback(Callback):
         if not self._active:
             return
         self._leave_after_backward = leaves_after_backward(trainer, pl_module)
+        if self._engine is not None:
+            self._unwrap = rerun_when_eased(trainer, pl_module, self._engine, self._reporter)
         self._pictures.fit_start(trainer, self._leave_after_backward)
         announce_planning(self._engine, pl_module, self.options.memory_budget)
         say_if_floor_over(self._engine, trainer, pl_module)
@@ -284,7 +290,11 @@ class ActivationOffloadCallback(Callback):
         self._plans.load_state_dict(state_dict, self._engine)
 
     def _leave_model(self, pl_module: pl.LightningModule) -> None:
-        """Remove every checkpoint wrapper this callback (or its planner) applied."""
+        """Remove every checkpoint wrapper this callback (or its planner) applied, and its wrapper of the module's
+        ``optimizer_step``."""
+        if self._unwrap is not None:
+            self._unwrap, unwrap = None, self._unwrap
+            unwrap()
         if self._manual is not None:
             self._manual.remove(pl_module)
         if self._engine is not None:

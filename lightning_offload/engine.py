@@ -25,12 +25,12 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from typing_extensions import override
 
-from lightning_offload import policy
+from lightning_offload import policy, rerun
 from lightning_offload.budget import BudgetPlanner, check_measuring_steps
 from lightning_offload.carried_plans import carried, fingerprint, take_carried
 from lightning_offload.checkpointing import WrappedBlocks
@@ -50,6 +50,7 @@ from lightning_offload.step_driver import (
 from lightning_offload.streams import StreamBackend
 
 _log = logging.getLogger("lightning_offload")
+_T = TypeVar("_T")
 
 
 class OffloadEngine:
@@ -94,16 +95,12 @@ class OffloadEngine:
         self._carried_plans: dict[str, Any] | None = None  # an earlier fit's plans, given to the planner as it is made
         self._host_limit: int | None = None
         self._first_input: tuple[Hashable] | None = None  # named before the planner existed (``None`` is a key too)
+        self.told_failures: list[str | None] | None = None  # where :meth:`failed` puts what it says (``None``: the log)
 
-    @property
-    def device(self) -> torch.device | None:
-        """The compute device, once the engine was first installed (``meta`` when nothing can be offloaded)."""
-        return self._path.device
-
-    @property
-    def installed(self) -> bool:
-        """Whether the hooks are installed (not in a step whose plan keeps everything, which installs none)."""
-        return self._hooks is not None
+    # The compute device, once the engine was first installed (``meta`` when nothing can be offloaded).
+    device = property(lambda self: self._path.device)
+    # Whether the hooks are installed (not in a step whose plan keeps everything, which installs none).
+    installed = property(lambda self: self._hooks is not None)
 
     def install(self) -> None:
         """Start a step: tensors saved from now on go through the hooks."""
@@ -120,9 +117,7 @@ class OffloadEngine:
         self.collect_stats(wait=False)  # leftovers of older steps (never a host sync here), and the pool's counts
         if self._path.settling is not None and self._path.settling.step_begins():
             _log.debug("offload_activations(): the allocator's cache, shaped by the first steps, was emptied")
-        plan_limit = None
-        if self.planner is not None:
-            plan_limit = plan_step(self.planner, path)
+        plan_limit = plan_step(self.planner, path) if self.planner is not None else None
         path.start_step()
         if plan_limit == 0:
             self._active = True
@@ -142,8 +137,7 @@ class OffloadEngine:
 
     def end_step(self) -> None:
         """End the current step now, not as the next one begins: what runs before the next step (a batch without the
-        engine, the memory picture's comparison; validation inside fit) must not count as this step's peak and time
-        in the memory-budget planner's measurements."""
+        engine, validation inside fit) must not count in the planner's measurements of this step's peak and time."""
         if self._active:
             raise RuntimeError("offload_activations(): end_step() inside the engine's block; call it after the block")
         path = self._path
@@ -162,8 +156,8 @@ class OffloadEngine:
             self._path.outbound.retire()  # finished copies let go of their sources now, not at the next step
 
     def close(self) -> None:
-        """Leave the model as it was: remove the hooks and the blocks checkpointed by the memory-budget planner or by
-        the call that made this engine (``checkpoint=``). Installing the engine again puts them back."""
+        """Leave the model as it was: remove the hooks and the blocks checkpointed by the planner or by ``checkpoint=``
+        (installing the engine again puts them back)."""
         self.uninstall()
         if self._blocks is not None:
             self._blocks.remove()
@@ -186,13 +180,22 @@ class OffloadEngine:
         is explained in numbers (a warning)."""
         text = step_failed(self.planner, exc) if self.planner is not None else None
         self.reset()
-        if text is not None:
+        if self.told_failures is not None:
+            self.told_failures.append(text)
+        elif text is not None:
             _log.warning(text)
 
+    def run_step(self, step: Callable[[], _T]) -> _T:
+        """Run ``step``, one training step, and return what it returns; where it runs out of memory under a memory
+        budget and the planner's correction makes the next step more frugal, run it again, until it fits or no step is
+        more frugal (the error is then raised). ``step`` clears the gradients before its backward (as a closure given to
+        ``optimizer.step`` does), enters this engine's block for forward and runs backward; with gradient accumulation,
+        one call runs a whole accumulation window. See :mod:`~lightning_offload.rerun`."""
+        return rerun.run_step(self, step)
+
     def refresh_parameters(self, tensors: Any = None) -> None:
-        """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``), every step: a
-        cache of an earlier walk would miss tensors registered or swapped since (``torch.utils.swap_tensors``, which
-        ``Module.to`` uses for FSDP2's DTensor parameters), which would be offloaded and counted as activations."""
+        """Re-read the storages never to offload (the model's parameters and buffers, or ``tensors``), every step: an
+        earlier walk would miss tensors registered or swapped since (``torch.utils.swap_tensors``, FSDP2's DTensors)."""
         if tensors is None:
             model = self._model_ref() if self._model_ref is not None else None
             tensors = [] if model is None else policy.parameters_and_buffers(model)
@@ -201,9 +204,8 @@ class OffloadEngine:
         self._path.params.update(tensors)
 
     def reset(self) -> None:
-        """Drop everything held for the current step: after an exception, nothing may leak into the next one (see
-        :meth:`Datapath.drop_step`). The memory-budget planner learns nothing from the step (:meth:`failed` tells it
-        whether the step ran out of memory): called between steps, the finished step's measurement is dropped too."""
+        """Drop everything held for the current step (:meth:`Datapath.drop_step`): after an exception, nothing may leak
+        into the next one. The planner learns nothing from the step; between steps, the last step's measurement goes."""
         self.uninstall()
         self._path.drop_step()
         if self.planner is not None:
@@ -253,11 +255,10 @@ class OffloadEngine:
 
     def input_changed(self, key: Hashable) -> None:
         """Name the next step's input, e.g. ``tuple(batch.shape)`` (before each step, outside the block): under a memory
-        budget a new input is measured before it is planned, and an input met before runs its plan again unmeasured. A
-        key that is a tuple of ints (or of such tuples, which may hold names as strings) is read as shapes: a new input
-        no larger in any dimension than one whose plan keeps every activation on the device, with the same names, runs
-        that plan at once (it saves no more); name inputs that are not shapes by a string, say. Without a planner it
-        does nothing.
+        budget a new input is measured before it is planned, and one met before runs its plan again. A tuple of ints
+        (or of such tuples, which may hold names as strings) is read as shapes: a new input no larger in any dimension
+        than one whose plan keeps everything, with the same names, runs that plan at once. Without a planner it does
+        nothing.
 
         Raises:
             RuntimeError: called inside the engine's block.

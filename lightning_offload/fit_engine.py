@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_offload.engine import OffloadEngine
@@ -67,6 +69,52 @@ def leaves_after_backward(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
     return pl_module.automatic_optimization and not any(
         isinstance(opt, torch.optim.LBFGS) for opt in trainer.optimizers
     )
+
+
+def rerun_when_eased(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine, reporter: StepReporter
+) -> Callable[[], None] | None:
+    """Where a batch can run again after an out-of-memory error, have it: the closure Lightning hands the module's
+    ``optimizer_step`` runs through :meth:`OffloadEngine.run_step`, which runs it again where the planner's correction
+    made the next step more frugal; each run again begins the engine's step afresh, with the peak counters reset.
+
+    Lightning's closure clears the gradients before its backward only where no gradients are accumulated, and runs once
+    per batch only under automatic optimization without LBFGS (:func:`leaves_after_backward`); in several processes,
+    one that ran a batch again would run its collectives out of step with the others. Elsewhere nothing is wrapped.
+
+    Args:
+        trainer: the trainer, its optimizers set up.
+        pl_module: the module being fit.
+        engine: the fit's engine.
+        reporter: the callback's reporter (it resets the peak counters as a batch begins).
+
+    Returns:
+        What undoes the wrapping (``None``: nothing was wrapped).
+    """
+    if not (engine.options.plans and trainer.accumulate_grad_batches == 1 and trainer.world_size == 1):
+        return None
+    # (A scheduler that accumulates later refuses an ``optimizer_step`` that is not the module's own.)
+    scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)  # type: ignore[attr-defined]
+    if scheduled or not leaves_after_backward(trainer, pl_module):
+        return None
+    step = pl_module.optimizer_step  # the module's own (Lightning's, or the user's override)
+
+    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+        if optimizer_closure is None or trainer.accumulate_grad_batches != 1:
+            return step(epoch, batch_idx, optimizer, optimizer_closure)
+        runs = [0]
+
+        def closure(*args: Any, **kwargs: Any) -> Any:
+            if runs[0]:  # the run before ran out of memory: the batch's step begins again
+                install_for_batch(engine, reporter, trainer)
+                reporter.start_batch()
+            runs[0] += 1
+            return optimizer_closure(*args, **kwargs)
+
+        return step(epoch, batch_idx, optimizer, lambda *a, **k: engine.run_step(lambda: closure(*a, **k)))
+
+    pl_module.optimizer_step = optimizer_step  # type: ignore[method-assign]
+    return lambda: pl_module.__dict__.pop("optimizer_step", None)
 
 
 def announce_planning(engine: OffloadEngine | None, pl_module: pl.LightningModule, budget: object) -> None:

@@ -136,8 +136,9 @@ def check_input_key(key: Hashable) -> None:
 
 def step_failed(planner: BudgetPlanner, exc: BaseException | None) -> str | None:
     """The planner's open step raised ``exc``: it is dropped, and an out-of-memory error corrects the plan. Returns
-    what to say of an out-of-memory error, in numbers, or ``None``."""
-    out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError)
+    what to say of an out-of-memory error, in numbers, or ``None`` (also where no step is open: the error was said of
+    the step that raised it, which ran again, or it came between steps)."""
+    out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError) and planner.core.open is not None
     text = planner.out_of_memory() if out_of_memory else None  # said of the step before it is dropped
     planner.abandon_step(out_of_memory, requested_bytes(exc) if out_of_memory else 0)
     return text

@@ -5,6 +5,7 @@ as an epoch ends or the fit fails."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_offload.engine as engine_module
+from lightning_offload import ActivationOffloadCallback
 from lightning_offload.fit_engine import (
     announce_planning,
     end_epoch,
@@ -22,6 +25,7 @@ from lightning_offload.fit_engine import (
     say_floor_over,
 )
 from lightning_offload.options import OffloadOptions
+from tests.test_callback import ConstantMemory, LitNet, batches, fit, offload_callback
 
 
 class Module(nn.Module):
@@ -139,3 +143,74 @@ def test_a_floor_over_the_budget_is_said_once_with_its_parts_and_nothing_below_i
     [record] = caplog.records
     assert record.getMessage().startswith("ActivationOffloadCallback: memory_budget=0.00 GiB: before any activation")
     assert "of AdamW's state to come" in record.getMessage()
+
+
+class OutOfMemoryOnce(LitNet):
+    """Runs out of memory the first time batch 2 runs: in its forward (``training_step``, the hooks installed) or
+    after its backward (``on_after_backward``, the hooks gone); counts the forwards."""
+
+    def __init__(self, offload: ActivationOffloadCallback | None, where: str) -> None:
+        super().__init__(offload=offload)
+        self.where, self.forwards, self.failed = where, 0, False
+
+    def _fail_once(self, where: str) -> None:
+        if self.where == where and self.global_step == 2 and not self.failed:
+            self.failed = True
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB. GPU 0")
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        self.forwards += 1
+        loss = super().training_step(batch, batch_idx)
+        self._fail_once("training_step")
+        return loss
+
+    def on_after_backward(self) -> None:
+        self._fail_once("backward")
+
+
+def planned_on_constant_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    planner_for = engine_module.planner_for
+
+    def with_memory(options: Any, device: Any, transfer: Any, model: Any, memory: Any = None, **_: Any) -> Any:
+        return planner_for(options, device, transfer, model, ConstantMemory())
+
+    monkeypatch.setattr(engine_module, "planner_for", with_memory)
+
+
+@pytest.mark.parametrize("where", ["training_step", "backward"])
+def test_a_batch_that_ran_out_of_memory_runs_again_under_a_more_frugal_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """A planned batch runs out of memory (a request as large as the budget): the planner corrects its plan to its
+    most frugal, and the batch runs again within the same optimizer step, so the fit goes on. The weights end as a
+    fit without offloading and without the failure leaves them, bit for bit; the module's ``optimizer_step`` is its
+    own again after the fit."""
+    planned_on_constant_memory(monkeypatch)
+    torch.manual_seed(0)
+    callback = offload_callback(memory_budget="8GiB")
+    module = OutOfMemoryOnce(callback, where)
+    torch.manual_seed(0)
+    plain = LitNet()
+    with caplog.at_level("WARNING", logger="lightning_offload"):
+        trainer = fit(tmp_path, module, batches(4), [callback], max_steps=4)
+    fit(tmp_path / "plain", plain, batches(4), max_steps=4)
+    assert module.failed and module.forwards == 5 and trainer.global_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), plain.parameters(), strict=True))
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("the step ran out of memory (CUDA out of memory" in text for text in said) == 1
+    assert not any("does not train at this input size" in text for text in said)
+    assert "optimizer_step" not in module.__dict__
+
+
+def test_under_gradient_accumulation_a_batch_that_ran_out_of_memory_is_not_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's closure clears the gradients only at a window's first batch: a later batch run again would add its
+    gradients twice. The error ends the fit, as without the callback."""
+    planned_on_constant_memory(monkeypatch)
+    callback = offload_callback(memory_budget="8GiB")
+    module = OutOfMemoryOnce(callback, "training_step")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fit(tmp_path, module, batches(8), [callback], max_steps=4, accumulate_grad_batches=2)
+    assert module.forwards == 5  # batch 4 (global step 2) ran once
+    assert "optimizer_step" not in module.__dict__

@@ -70,14 +70,14 @@ class Planner:
         self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
         self.lesson: PlanKind | None = None  # the kind of plan the latest trials that compared plans kept
-        self.step = 0
+        self.step, self.expandable = 0, False
         self.open: Directive | None = None  # the step in progress
-        self.expandable = False
         self.records: deque[StepRecord] = deque(maxlen=_RECORDED_STEPS)
         self.notices: list[Notice] = []
         self._release_cache = False  # empty the allocator's cache before the next step
         self._start = StepStart(0)
         self._pinning_steps = RecentSteps()  # steps that pinned host buffers: their timings say nothing of copies
+        self.eased = False  # the step that ran out of memory made the next more frugal: running it again may fit
 
     # ------------------------------------------------------------------------------------------------ what it holds
 
@@ -87,13 +87,8 @@ class Planner:
 
     fit_margin = property(lambda self: self.rec.fit_margin(self.budget))  # how far below the budget plans stay
 
-    @property
-    def plan_budget(self) -> int:
-        return plan_aim(self.budget, self.fit_margin, self.rec.reserved_gap)
-
-    @property
-    def keeping_budget(self) -> int:
-        return keeping_aim(self.budget, self.fit_margin, self.plan_budget, self.expandable)
+    plan_budget = property(lambda self: plan_aim(self.budget, self.fit_margin, self.rec.reserved_gap))
+    keeping_budget = property(lambda self: keeping_aim(self.budget, self.fit_margin, self.plan_budget, self.expandable))
 
     def candidates(self) -> list[Plan]:
         """The plans the profile offers (:func:`~.candidates.offered_plans`)."""
@@ -112,7 +107,7 @@ class Planner:
     def begin(self, start: StepStart) -> Directive:
         """A step begins with ``start.allocated`` bytes allocated: what it runs."""
         self.step += 1
-        self._start, self.expandable = start, start.expandable
+        self._start, self.expandable, self.eased = start, start.expandable, False
         empty, self._release_cache = self._release_cache, False
         rec = self.rec
         if rec.phase is not Phase.MEASURING:
@@ -186,17 +181,19 @@ class Planner:
 
     def _abandoned(self, d: Directive, obs: Observation) -> None:
         """A measuring step that raised is measured again (frugally, where it ran out of memory); a planned step that
-        ran out of memory corrects the plan by its peak, the request that failed and the fragments held then."""
-        rec = self.rec
+        ran out of memory corrects the plan by its peak, the request that failed and the fragments held then. Each
+        correction raises every plan's predicted peak: a plan replaced never comes back (:attr:`eased`)."""
+        rec, failed = self.rec, self.rec.plan
         if d.measure is not None:
             rec.frugal_next = rec.frugal_next or d.measure.frugal or obs.tripped or obs.out_of_memory
-            return
-        if not obs.out_of_memory or rec.plan is None or rec.profile is None:
-            return
-        if self._misled_if_lent(None):
-            return
-        rec.profile = after_out_of_memory(rec.profile, rec.plan, obs, self.budget, self.fit_margin)
-        self._choose(memory=True)
+            self.eased = obs.out_of_memory and not d.measure.frugal
+        elif obs.out_of_memory and failed is not None and rec.profile is not None:
+            if self._misled_if_lent(None):  # it measures, frugally
+                self.eased = True
+                return
+            rec.profile = after_out_of_memory(rec.profile, failed, obs, self.budget, self.fit_margin)
+            self._choose(memory=True)
+            self.eased = timing_key(rec.plan) != timing_key(failed)
 
     def _follow_base(self, allocated: int) -> None:
         """A planned step that begins above the measured base (:func:`~.corrections.grown_base`) plans again first."""
@@ -245,8 +242,7 @@ class Planner:
         return False
 
     def replan(self, measuring_steps: int = 1) -> None:
-        """Measure again at the next ``measuring_steps`` steps; other inputs' records are forgotten (the model or the
-        optimizer changed)."""
+        """Measure again at the next ``measuring_steps`` steps; other inputs' records are forgotten (a new model)."""
         self.trace.add("replan", measuring_steps)
         self.abandon()
         self.book.clear()
@@ -295,9 +291,8 @@ class Planner:
             self._say(logging.INFO if plan.fits else logging.WARNING, text, plan=True)
 
     def cache_worth_emptying(self, peak: int, reserved: int) -> bool:
-        """Whether a kept plan's first step, which peaked at ``peak`` bytes allocated, left the allocator holding
-        ``reserved`` bytes, far more than that and than the other inputs' kept plans predict, while the budget has room
-        for a layout mapped afresh (:func:`~.aims.cache_worth_emptying`): the cache is then emptied once."""
+        """Whether a kept plan's first step, which peaked at ``peak`` bytes, left the allocator holding ``reserved``,
+        worth emptying once (:func:`~.aims.cache_worth_emptying`, against the other inputs' kept plans too)."""
         peak = max([peak, *self.book.peaks()])
         worth = cache_worth_emptying(reserved, peak, self.budget)
         if worth:
