@@ -397,6 +397,41 @@ def test_memory_budget_keeps_every_planned_step_under_budget(share: float) -> No
     assert max(peaks[2:]) <= budget, (peaks, budget, engine.planner.plan)  # after the two measuring steps
 
 
+def test_a_step_that_ran_out_of_memory_mid_backward_runs_again_with_the_plain_gradients() -> None:
+    """CUDA's own out-of-memory error in the middle of a planned step's backward, with copies in flight: the engine
+    drops what the step held, the planner corrects its plan (by a request larger than the device) and ``run_step``
+    runs the step again, more frugally, in a cache emptied of the failed step's blocks; its gradients are the plain
+    ones, bit for bit, and the next steps train as usual."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=8).cuda()
+    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    engine = offload_activations(model=model, memory_budget=int(0.8 * plain_peak))
+    for _ in range(4):
+        _grads(model, tokens, engine, True)
+    failed, runs = [False], []
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def fail_once(*_: object) -> None:
+        if not failed[0]:
+            failed[0] = True
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")  # CUDA raises its own error
+
+    handle = model.blocks[4].up.weight.register_hook(fail_once)  # (its gradient comes mid-backward)
+    planner = engine.planner
+    assert planner is not None
+    before = planner.plan
+    try:
+        grads = engine.run_step(lambda: runs.append(planner.plan) or _grads(model, tokens, engine, True))
+    finally:
+        handle.remove()
+    assert failed[0] and len(runs) == 2 and planner.plan != before
+    assert all(torch.equal(ref, got) for ref, got in zip(reference, grads, strict=True))
+    assert all(torch.equal(ref, got) for ref, got in zip(reference, _grads(model, tokens, engine, True), strict=True))
+    engine.close()
+
+
 class PartsBlock(nn.Module):
     """A decoder layer as Hugging Face writes them: attention, MLP and norms as modules of their own."""
 
