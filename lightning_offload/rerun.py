@@ -6,7 +6,8 @@ planner corrects itself from the failed step (its peak, the request that failed,
 correction raises every plan's predicted peak, so the plans it moves to are more frugal and end at the model's most
 frugal step. Running the failed step again under each correction makes a step fit wherever that most frugal step fits,
 at the cost of the steps run again. The step must clear the gradients before its backward, as a closure given to
-``optimizer.step`` does, so that running it again gives the same gradients.
+``optimizer.step`` does, so that running it again gives the same gradients. In several processes a step is not run
+again: the others would wait for it in their collectives.
 
 Torch only: no Lightning import.
 """
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from lightning_offload.units import GiB
+from lightning_offload.step_driver import requested_bytes
+from lightning_offload.units import GiB, MiB
 
 if TYPE_CHECKING:
     from lightning_offload.engine import OffloadEngine
@@ -62,18 +64,24 @@ def _eased(engine: OffloadEngine, exc: BaseException, told: list[str | None]) ->
         return False
     if not told and planner.core.open is not None:
         engine.failed(exc)  # raised outside the engine's block, within the step
-    eased = bool(told) and planner.core.eased
+    eased = bool(told) and planner.core.eased and not _several_processes()
     if not eased:
         for text in told:
             if text is not None:
                 _log.warning(text)
         return False
     plan = planner.plan
-    what = plan.describe(planner.budget) if plan is not None else "a measuring step, every activation offloaded"
+    what = plan.describe(planner.budget) if plan is not None else "a frugal measuring step"
+    request = requested_bytes(exc)
+    failed = f"a request of {request / MiB:.0f} MiB failed" if request else "CUDA out of memory"
     _log.warning(
-        "memory_budget=%.2f GiB: the step ran out of memory (%s); running it again under %s",
-        planner.budget / GiB,
-        str(exc).split(".")[0],
-        what,
+        f"memory_budget={planner.budget / GiB:.2f} GiB: the step ran out of memory ({failed}); running it "
+        f"again under {what}"
     )
     return True
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several in a process group (DDP, FSDP)."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
