@@ -6,6 +6,9 @@
 #
 #   OUT=/some/folder bash benchmarks/rerun_check.sh
 #
+# ZOO replaces the rows' options (e.g. ZOO="--part 2/3", which holds rows 31 and 37, about 130 s) and ZOO_S their
+# time limit in seconds (150).
+#
 # Writes rerun.tgz under $OUT (the zoo's JSON, Markdown, plots and traces; the test's log) and prints each row's line.
 set -u
 : "${OUT:?set OUT to the folder the results go to}"
@@ -15,7 +18,8 @@ timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine
     -k "ran_out_of_memory_mid_backward" >"${work}/gpu-test.log" 2>&1
 echo "gpu test: exit $?"
 tail -n 3 "${work}/gpu-test.log"
-timeout 150 python -m benchmarks.zoo --only "${ROWS:-0,31,37}" --out "${work}/rows.json" 2>&1 | grep -v '^ \|^{\|^}'
+# shellcheck disable=SC2086  # ZOO holds the zoo's row options, split on purpose (e.g. ZOO="--part 2/3")
+timeout "${ZOO_S:-150}" python -m benchmarks.zoo ${ZOO:---only 0,31,37} --out "${work}/rows.json" 2>&1 | grep -v '^ \|^{\|^}'
 timeout 100 python -m benchmarks.zoo --only 31 --snapshot --out "${work}/row31-snapshot.json" 2>&1 | grep -v '^ \|^{\|^}'
 python - "${work}" <<'PY'
 import json
