@@ -351,6 +351,17 @@ def test_inplace_change_right_after_the_block_raises_or_is_exact(mode: str, tail
     torch.cuda.synchronize()
 
 
+def _seeded_net(layers: int, batch: int) -> tuple[Net, torch.Tensor, int, list[torch.Tensor]]:
+    """A seeded ``Net`` of ``layers`` blocks on CUDA, ``batch`` rows of 2048 tokens, and its plain step's peak and
+    gradients (after a step that warms the kernels up)."""
+    torch.manual_seed(0)
+    model = Net(hidden=1024, layers=layers).cuda()
+    tokens = torch.randint(0, 4096, (batch, 2048), device="cuda")
+    _grads(model, tokens, None, True)
+    plain_peak, reference = _step_peak(model, tokens, None)
+    return model, tokens, plain_peak, reference
+
+
 def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) -> tuple[int, list[torch.Tensor]]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -402,11 +413,7 @@ def test_a_step_that_ran_out_of_memory_mid_backward_runs_again_with_the_plain_gr
     drops what the step held, the planner corrects its plan (by a request larger than the device) and ``run_step``
     runs the step again, more frugally, in a cache emptied of the failed step's blocks; its gradients are the plain
     ones, bit for bit, and the next steps train as usual."""
-    torch.manual_seed(0)
-    model = Net(hidden=1024, layers=8).cuda()
-    tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
-    _grads(model, tokens, None, True)
-    plain_peak, reference = _step_peak(model, tokens, None)
+    model, tokens, plain_peak, reference = _seeded_net(layers=8, batch=8)
     engine = offload_activations(model=model, memory_budget=int(0.8 * plain_peak))
     for _ in range(4):
         _grads(model, tokens, engine, True)
@@ -614,11 +621,7 @@ def test_a_kept_plan_returns_once_what_the_steps_before_it_left_cached() -> None
     it) stays reserved for good under expandable segments. Where the budget has room, the planner finds the allocator
     holding more than 1.10x the step's peak as that step ends, and the cache is emptied once, before the next step,
     never again; the gradients stay the plain ones."""
-    torch.manual_seed(0)
-    model = Net(hidden=1024, layers=12).cuda()
-    tokens = torch.randint(0, 4096, (4, 2048), device="cuda")
-    _grads(model, tokens, None, True)
-    plain_peak, reference = _step_peak(model, tokens, None)
+    model, tokens, plain_peak, reference = _seeded_net(layers=12, batch=4)
     # (What the allocator holds counts against the budget: the freed tensor below stays under it.)
     engine = offload_activations(model=model, memory_budget=int(4 * plain_peak))
     for _ in range(3):  # the measuring steps, then the first planned step (the plan is chosen as it begins)
