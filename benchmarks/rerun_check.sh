@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Steps that run out of memory run again: the GPU test that makes CUDA fail mid-backward, and the zoo rows that ran out
-# of memory in a planned step before (row 31 in every run since 2026-12-06; rows 00 and 37 in earlier ones), once with
-# the allocator's history recorded (--snapshot: where its free bytes lay at the failure) and once without. One device
+# of memory in a planned step before (row 31 in every run since 2026-12-06; rows 00 and 37 in earlier ones). One device
 # call of about three minutes:
 #
 #   OUT=/some/folder bash benchmarks/rerun_check.sh
@@ -20,13 +19,12 @@ echo "gpu test: exit $?"
 tail -n 3 "${work}/gpu-test.log"
 # shellcheck disable=SC2086  # ZOO holds the zoo's row options, split on purpose (e.g. ZOO="--part 2/3")
 timeout "${ZOO_S:-150}" python -m benchmarks.zoo ${ZOO:---only 0,31,37} --out "${work}/rows.json" 2>&1 | grep -v '^ \|^{\|^}'
-timeout 100 python -m benchmarks.zoo --only 31 --snapshot --out "${work}/row31-snapshot.json" 2>&1 | grep -v '^ \|^{\|^}'
 python - "${work}" <<'PY'
 import json
 import sys
 
 work = sys.argv[1]
-for name in ("rows", "row31-snapshot"):
+for name in ("rows",):
     try:
         rows = json.load(open(f"{work}/{name}.json"))["rows"]
     except OSError:

@@ -360,6 +360,7 @@ def _on_oom(record: ArmRecord) -> None:
     import torch
 
     snapshot = torch.cuda.memory._snapshot()
+    record.fragments = fragments(snapshot)
     live: dict[str, int] = {}
     for segment in snapshot["segments"]:
         for block in segment["blocks"]:
@@ -418,18 +419,6 @@ def fragments(snapshot: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def _watch_out_of_memory(record: ArmRecord) -> None:
-    """With ``--snapshot``, where each segment's free bytes lay at the failed allocation itself (CUDA calls the
-    observer after its own flush, before it raises, while every tensor of the step is alive)."""
-    import torch
-
-    def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        if record.fragments is None:
-            record.fragments = {"request_mib": round(alloc / 2**20, 1), **fragments(torch.cuda.memory._snapshot())}
-
-    torch._C._cuda_attach_out_of_memory_observer(observer)
-
-
 class ArmRecord:
     """What one arm of one configuration did, step by step."""
 
@@ -448,7 +437,7 @@ class ArmRecord:
         self.last_plan = ""
         self.snapshot: list[tuple[str, float]] = []
         self.snapshot_total = 0.0
-        self.fragments: dict[str, Any] | None = None  # with --snapshot: the free bytes' place at a failure
+        self.fragments: dict[str, Any] | None = None  # with --snapshot: where the free bytes lay at a failure
         # Per batch start, then at an out-of-memory error: the allocator's allocated, reserved and inactive-split MiB
         # (free pieces of segments that hold live blocks: fragments a flush cannot return).
         self.allocator: list[list[int]] = []
@@ -800,7 +789,7 @@ def run_callback(
     batches = steps * config["accumulate"]
     precision = "bf16-mixed" if config["precision"] == "bf16-mixed" else "32-true"
     phase = _Phase(device, track_peak=arm == "none", torch_hooks=False)
-    with _arm_running(record, phase, sync, lambda: planners[0], planned=arm == "planned"):
+    with _arm_running(record, phase, sync, lambda: planners[0]):
         with activation_checkpointing(config, model) if arm == "ac" else contextlib.nullcontext():
             for _ in range(config["fits"]):
                 callbacks = [c for c in (offload, Clock(offload)) if c is not None]
@@ -835,20 +824,12 @@ RUNNERS = {"callback": run_callback, "context": run_context, "fabric": run_fabri
 
 @contextlib.contextmanager
 def _arm_running(
-    record: ArmRecord,
-    phase: _Phase,
-    sync: Callable[[], None],
-    planner: Callable[[], Any],
-    engine: Any = None,
-    planned: bool = False,
+    record: ArmRecord, phase: _Phase, sync: Callable[[], None], planner: Callable[[], Any], engine: Any = None
 ) -> Iterator[None]:
     """Run an arm's loop: an out-of-memory error ends the arm and is recorded; whatever happens, the last batch's
-    time and the planner's facts are kept, ``engine`` (if any) is closed and the optimizer hooks are removed.
-    ``planned``: the arm runs a planner (implied by ``engine``)."""
+    time and the planner's facts are kept, ``engine`` (if any) is closed and the optimizer hooks are removed."""
     import torch
 
-    if _SNAPSHOT and phase.device.type == "cuda" and (engine is not None or planned):
-        _watch_out_of_memory(record)
     try:
         yield
     except torch.cuda.OutOfMemoryError as exc:
