@@ -248,3 +248,55 @@ def test_a_budget_below_weights_gradients_and_optimizer_state_is_said_before_the
     assert len(said) == (room < 1)
     if said:
         assert "of AdamW's state to come" in said[0] and "No plan can keep the step within the budget" in said[0]
+
+
+class FailsOnce(TokenModule):
+    """CUDA's own out-of-memory error in the middle of the backward of the batch at ``at`` (global step), once."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.failed, self.runs = at, False, 0
+        total = torch.cuda.get_device_properties(0).total_memory
+        self.net.blocks[2].up.weight.register_hook(lambda grad: self._fail(total))
+
+    def _fail(self, total: int) -> None:
+        if self.global_step == self.at and not self.failed:
+            self.failed = True
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")  # raises
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.runs += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_that_ran_out_of_memory_mid_backward_runs_again_and_the_fit_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A planned batch (the fourth) meets CUDA's own out-of-memory error mid-backward, copies in flight: the batch
+    runs again under the planner's correction and the fit ends with the parameters of a fit without the callback,
+    bit for bit."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 4096, (8, 4, 1024))
+    modules = []
+    for callbacks in ([], [ActivationOffloadCallback(memory_budget="auto")]):
+        torch.manual_seed(0)
+        module = FailsOnce(at=3 if callbacks else -1)
+        trainer = pl.Trainer(
+            accelerator="cuda",
+            devices=1,
+            max_steps=6,
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            deterministic=True,
+        )
+        with caplog.at_level("WARNING", logger="lightning_offload"):
+            trainer.fit(module, DataLoader(list(data), batch_size=None))
+        modules.append(module)
+    plain, offloaded = modules
+    assert offloaded.failed and offloaded.runs == plain.runs + 1 == 7
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert sum("running it again under" in r.getMessage() for r in caplog.records) == 1
