@@ -11,7 +11,7 @@ then have done (a different watermark would have measured other peaks). Where a 
 datapath then does, or only in a situation no trace holds (a budget of ``"auto"``, many inputs), it reads 0 here.
 
 A constant is patched wherever a planner module holds it by that name. A default argument or a value derived from it
-when its module was imported (``KEEPING_MARGIN_SHARE`` from ``PLAN_MARGIN_SHARE``) keeps its old value: each is a
+when its module was imported (a constant computed from another at import) keeps its old value: each is a
 constant of its own here.
 
     python -m benchmarks.planner_sensitivity                  # the table, to standard output

@@ -127,7 +127,6 @@ class BudgetPlanner:
     step = property(lambda self: self.core.step)
     fit_margin = property(lambda self: self.core.fit_margin)
     plan_budget = property(lambda self: self.core.plan_budget)
-    keeping_budget = property(lambda self: self.core.keeping_budget)
     input_key = property(lambda self: self.core.input_key)
 
     @property
@@ -193,8 +192,7 @@ class BudgetPlanner:
             release()
         if self.owns_peaks:
             self.memory.reset_peak()
-        expandable = getattr(self.memory, "expandable", None)
-        directive = self.core.begin(StepStart(self.memory.allocated(), bool(expandable and expandable())))
+        directive = self.core.begin(StepStart(self.memory.allocated()))
         measure = directive.measure
         self.marks.begin(held, measure.watermark if measure is not None else None, self.owns_peaks)
         self._say()

@@ -108,10 +108,6 @@ class DeviceMemory:
             limit = min(limit, int(self.total() * fraction(self.device)))
         return limit
 
-    def expandable(self) -> bool:
-        """Whether the allocator maps expandable segments (:func:`expandable_segments`)."""
-        return expandable_segments()
-
     def release_cache(self) -> None:
         """Return the allocator's cached, unused memory to the device (never while a CUDA graph is being captured)."""
         if not torch.cuda.is_current_stream_capturing():

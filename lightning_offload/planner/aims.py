@@ -24,10 +24,6 @@ RESERVED_GAP_FACTOR = 1.5
 FIT_ROOM_SHARE = 0.10
 # A planned step replans when its peak passes its prediction by more than this share of the budget.
 REPLAN_SHARE = 0.02
-# With expandable segments, plans that offload nothing aim at most this share below the budget, whatever the measuring
-# step's gap: that gap was reserved by frugal steps whose copies come and go, while a plan without copies allocates as
-# checkpointing does (on an H200, small-h512's 4 blocks checkpointed whole reserved 4-5% past what they allocated).
-KEEPING_MARGIN_SHARE = PLAN_MARGIN_SHARE + REPLAN_SHARE
 # Steps that shaped the allocator's cache in a layout of their own (a memory-budget planner's measuring steps and plans
 # under trial; the optimizer's state allocated in the first step into room activations had used) can leave it holding
 # far more than a step needs: expandable segments are never unmapped but by emptying the cache. Past this multiple of
@@ -68,11 +64,3 @@ def plan_aim(budget: int, margin: int, reserved_gap: int) -> int:
     if reserved_gap:
         margin = max(margin, int(RESERVED_GAP_FACTOR * reserved_gap + REPLAN_SHARE * budget))
     return budget - margin
-
-
-def keeping_aim(budget: int, margin: int, aim: int, expandable: bool) -> int:
-    """What plans that offload nothing aim for: ``aim`` (:func:`plan_aim`), or with ``expandable`` segments at most
-    ``KEEPING_MARGIN_SHARE`` below the budget, and never within the fit ``margin`` of it."""
-    if not expandable:
-        return aim
-    return max(aim, budget - max(int(budget * KEEPING_MARGIN_SHARE), margin))

@@ -45,34 +45,22 @@ def cheapest_plan(candidates: Sequence[Plan]) -> Plan:
     return next((p for p in reversed(candidates) if not p.light_blocks), candidates[-1])
 
 
-def plan_candidates(profile: StepProfile, budget: int, keep_only: bool = False) -> list[Plan]:
+def plan_candidates(profile: StepProfile, budget: int) -> list[Plan]:
     """For ``k = 0 .. blocks`` checkpointed blocks, the cheapest plan under ``budget`` (the most frugal one where none
     fits); where measured, the same with ``j`` of the other blocks recomputing only their elementwise operations (for
     every ``j`` from 1 up to all of them); and last, where the blocks can be checkpointed by their parts, every block
     so: what :func:`plan_for_budget` chooses from, listed for diagnosis (the ``k``-th is the one with ``k`` blocks
-    checkpointed whole and none light; the last without light blocks is the most frugal).
-
-    ``keep_only``: each shape's plan that offloads nothing, not fitting where it passes ``budget`` (no offloading is
-    priced: :func:`with_plans_that_keep` takes only those that fit, and pricing the others cost ~7 ms for a 32-block
-    profile with light blocks)."""
-    candidates = [_candidate(profile, budget, k, keep_only=keep_only) for k in range(profile.blocks + 1)]
+    checkpointed whole and none light; the last without light blocks is the most frugal)."""
+    candidates = [_candidate(profile, budget, k) for k in range(profile.blocks + 1)]
     if profile.lightenable:
         candidates += [
-            _candidate(profile, budget, k, light=j, keep_only=keep_only)
+            _candidate(profile, budget, k, light=j)
             for k in range(profile.blocks)
             for j in range(1, profile.blocks - k + 1)
         ]
     if profile.splittable:
-        candidates.append(_candidate(profile, budget, profile.blocks, split=True, keep_only=keep_only))
+        candidates.append(_candidate(profile, budget, profile.blocks, split=True))
     return candidates
-
-
-def with_plans_that_keep(candidates: Sequence[Plan], looser: Sequence[Plan]) -> list[Plan]:
-    """``candidates`` (:func:`plan_candidates` under one aim), each shape's plan replaced by the same shape's plan in
-    ``looser`` (the same under a higher aim) where that one offloads nothing and fits: plans without copies may aim
-    higher than plans with them (:attr:`~lightning_offload.budget.BudgetPlanner.keeping_budget`)."""
-    keeping = {shape(p): p for p in looser if p.fits and not p.offload_bytes}
-    return [p if p.fits and not p.offload_bytes else keeping.get(shape(p), p) for p in candidates]
 
 
 # What running a block with elementwise recompute costs, as a share of what checkpointing it whole costs (recomputing
@@ -83,12 +71,9 @@ def with_plans_that_keep(candidates: Sequence[Plan], looser: Sequence[Plan]) -> 
 ELEMENTWISE_SHARE = 0.5
 
 
-def _candidate(
-    profile: StepProfile, budget: int, k: int, split: bool = False, light: int = 0, keep_only: bool = False
-) -> Plan:
+def _candidate(profile: StepProfile, budget: int, k: int, split: bool = False, light: int = 0) -> Plan:
     """The cheapest plan under ``budget`` with the last ``k`` blocks checkpointed (``split``: by their parts) and the
-    ``light`` blocks before them recomputing their elementwise operations, or the most frugal where none fits
-    (``keep_only``: the one that offloads nothing, fitting or not)."""
+    ``light`` blocks before them recomputing their elementwise operations, or the most frugal where none fits."""
     per_block_ms = (profile.block_share or 1.0) * profile.forward_ms / profile.blocks if profile.blocks else 0.0
     eligible = eligible_bytes(profile, k, split, light)
     # What light blocks keep on the device, and the weight casts of the blocks run in full beyond those the measured
@@ -110,7 +95,7 @@ def _candidate(
         kept_peak = max(profile.peak, profile.unrebuilt_peak) + profile.correction - profile.resident + eligible + kept
     recompute_ms = (k + ELEMENTWISE_SHARE * light) * per_block_ms
     excess = kept_peak - budget
-    if excess <= 0 or keep_only:
+    if excess <= 0:
         peak = max(kept_peak, profile.optimizer_peak) if kept_phases else kept_peak
         return Plan(0, k, peak, recompute_ms, excess <= 0, split=split, light_blocks=light, phases=kept_phases)
     model = OffloadModel(profile, eligible, frugal_cap(budget), released_at_head=profile.two_peaks)
@@ -260,12 +245,3 @@ def split_relief(profile: StepProfile) -> int:
     """How much lower the blocks' backward peaks with the blocks checkpointed by their parts than whole: the largest
     part is rebuilt at a time instead of the block."""
     return int(REBUILD_SHARE * max(0, profile.block_bytes - profile.part_bytes)) if profile.part_bytes else 0
-
-
-def offered_plans(profile: StepProfile, plan_budget: int, keeping_budget: int) -> list[Plan]:
-    """The plans ``profile`` offers under ``plan_budget``, each replaced by the plan of the same blocks that offloads
-    nothing where that one fits ``keeping_budget`` (plans without copies may aim closer to the budget)."""
-    candidates = plan_candidates(profile, plan_budget)
-    if keeping_budget <= plan_budget:
-        return candidates
-    return with_plans_that_keep(candidates, plan_candidates(profile, keeping_budget, keep_only=True))

@@ -19,9 +19,9 @@ from collections.abc import Hashable
 from typing import Any
 
 from lightning_offload.planner import words
-from lightning_offload.planner.aims import cache_worth_emptying, keeping_aim, plan_aim
+from lightning_offload.planner.aims import cache_worth_emptying, plan_aim
 from lightning_offload.planner.book import NO_INPUT, InputBook
-from lightning_offload.planner.candidates import offered_plans
+from lightning_offload.planner.candidates import plan_candidates
 from lightning_offload.planner.choice import choose_plan
 from lightning_offload.planner.corrections import (
     after_out_of_memory,
@@ -70,7 +70,7 @@ class Planner:
         self.trace = Trace(budget, trials, frugal_first)
         self.machine = Machine()
         self.lesson: PlanKind | None = None  # the kind of plan the latest trials that compared plans kept
-        self.step, self.expandable = 0, False
+        self.step = 0
         self.open: Directive | None = None  # the step in progress
         self.records: deque[StepRecord] = deque(maxlen=_RECORDED_STEPS)
         self.notices: list[Notice] = []
@@ -88,12 +88,11 @@ class Planner:
     fit_margin = property(lambda self: self.rec.fit_margin(self.budget))  # how far below the budget plans stay
 
     plan_budget = property(lambda self: plan_aim(self.budget, self.fit_margin, self.rec.reserved_gap))
-    keeping_budget = property(lambda self: keeping_aim(self.budget, self.fit_margin, self.plan_budget, self.expandable))
 
     def candidates(self) -> list[Plan]:
-        """The plans the profile offers (:func:`~.candidates.offered_plans`)."""
+        """The plans the profile offers under the aim (:func:`~.candidates.plan_candidates`)."""
         assert self.rec.profile is not None
-        return offered_plans(self.rec.profile, self.plan_budget, self.keeping_budget)
+        return plan_candidates(self.rec.profile, self.plan_budget)
 
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []
@@ -107,7 +106,7 @@ class Planner:
     def begin(self, start: StepStart) -> Directive:
         """A step begins with ``start.allocated`` bytes allocated: what it runs."""
         self.step += 1
-        self._start, self.expandable, self.eased = start, start.expandable, False
+        self._start, self.eased = start, False
         empty, self._release_cache = self._release_cache, False
         rec = self.rec
         if rec.phase is not Phase.MEASURING:

@@ -24,7 +24,8 @@ def replay(trace: dict[str, Any]) -> tuple[Planner, list[dict[str, Any]]]:
         if name == "input":
             planner.input_changed(key_from_json(args[0]))
         elif name == "begin":
-            answers.append(directive_summary(planner.begin(StepStart(**args[0]))))
+            # (Traces recorded before 2026-12-07 also hold whether segments were expandable, which no rule reads now.)
+            answers.append(directive_summary(planner.begin(StepStart(args[0]["allocated"]))))
         elif name == "observe":
             planner.observe(Observation.from_dict(args[0]))
         elif name == "replan":

@@ -51,11 +51,9 @@ class Directive:
 
 @dataclasses.dataclass(frozen=True)
 class StepStart:
-    """The driver's reading as a step begins: ``allocated`` bytes (weights, gradients kept, optimizer state) and whether
-    the allocator maps ``expandable`` segments."""
+    """The driver's reading as a step begins: ``allocated`` bytes (weights, gradients kept, optimizer state)."""
 
     allocated: int
-    expandable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

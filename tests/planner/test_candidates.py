@@ -14,7 +14,6 @@ from lightning_offload.planner.candidates import (
     plan_candidates,
     plan_for_budget,
     split_relief,
-    with_plans_that_keep,
 )
 from lightning_offload.planner.offload_model import HIDDEN_SHARE, OffloadModel
 from lightning_offload.planner.profile import Plan, StepProfile, eligible_bytes, frugal_cap
@@ -274,29 +273,6 @@ def test_offload_model_relief_and_cost() -> None:
     assert throttled.cost_ms == pytest.approx((6 * GiB - 512 * MiB) / (50 * MiB) - 60.0)
     # Bringing 9 GiB back takes 184 ms, more than backward (200 ms) hides at 80%: 24 ms show.
     assert model.unbounded(9 * GiB).cost_ms == pytest.approx(9 * 1024 / 50 - 160.0)
-
-
-def test_a_higher_aim_for_plans_without_copies_replaces_only_shapes_it_lets_keep_everything() -> None:
-    """Under 24 GiB every plan with fewer than 8 blocks checkpointed offloads; under 26 GiB those with 6 or 7 keep
-    everything. The merged list takes those two from the higher aim, and nothing else: shapes that still offload
-    there keep the lower aim's plan (their copies' bytes sized for it), and plans that kept everything already stay."""
-    p = profile()
-    lower, higher = plan_candidates(p, 24 * GiB), plan_candidates(p, 26 * GiB)
-    merged = with_plans_that_keep(lower, higher)
-    assert len(merged) == len(lower)
-    for low, high, plan in zip(lower, higher, merged, strict=True):
-        if not low.offload_bytes:
-            assert plan == low  # already keeping everything under the lower aim
-        elif not high.offload_bytes:
-            assert plan == high and plan.peak > 24 * GiB  # admitted only by the higher aim
-        else:
-            assert plan == low and plan.peak <= 24 * GiB  # still offloading: the lower aim's plan
-    admitted = [plan.checkpoint_blocks for plan, low in zip(merged, lower, strict=True) if plan is not low]
-    assert admitted == [6, 7]
-    # Only the looser aim's plans that keep everything matter: listing just those (no offload priced) merges the same.
-    keeping = plan_candidates(p, 26 * GiB, keep_only=True)
-    assert all(not plan.offload_bytes and plan.fits == (plan.peak <= 26 * GiB) for plan in keeping)
-    assert with_plans_that_keep(lower, keeping) == merged
 
 
 def _trial_profile(forward_ms: float = 100.0, backward_ms: float = 150.0) -> StepProfile:

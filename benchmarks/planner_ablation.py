@@ -1,0 +1,199 @@
+"""``python -m benchmarks.planner_ablation``: which of the planner's rules act on recorded runs, and what they weigh.
+
+Each rule of the pure planner (``lightning_offload/planner/``) is switched off in turn (the function that applies it
+answers as if it never acted), and every recorded trace is told again to a fresh planner: a trace counts where any
+directive then differs from the one it recorded. Beside each rule, the code lines of the functions that make it
+(blanks, comments and docstrings left out). A rule that changes no trace is one no recorded run needed; one that
+changes many is the behaviour those runs had.
+
+A replay tells a trace's observations again: it shows what the planner would have decided, not what the steps would
+then have done; a rule that acts only after a decision it changed counts once, at the first.
+
+    python -m benchmarks.planner_ablation                  # the traces under tests/data/traces/
+    python -m benchmarks.planner_ablation --all-recorded   # and every trace under benchmarks/results/
+    python -m benchmarks.planner_ablation --out table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import sys
+import textwrap
+import tokenize
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.planner_sensitivity import TRACES, changed_traces, recorded_traces, short_name
+
+P = "lightning_offload.planner."
+
+
+def _plan_aim_without_gap(budget: int, margin: int, reserved_gap: int) -> int:
+    from lightning_offload.planner.aims import plan_aim
+
+    return plan_aim(budget, margin, 0)
+
+
+def _no_trials(enabled: bool) -> Any:
+    from lightning_offload.planner.trials import PlanTrials
+
+    return PlanTrials(False)
+
+
+# rule -> the attributes that apply it, each replaced by what answers "never acted", and the functions that make it
+# (for their code lines).
+RULES: dict[str, tuple[list[tuple[str, str, Any]], list[str]]] = {
+    "trials (plans timed against each other)": (
+        [(P + "core", "PlanTrials", _no_trials)],
+        [P + "trials.PlanTrials", P + "trials.trial_plans", P + "trials.family_trials", P + "choice.choose_plan"],
+    ),
+    "a step below a fastest plan that flushes": (
+        [(P + "trials", "PlanTrials._below_flushing", lambda self, compared, candidates: None)],
+        [P + "trials.PlanTrials._below_flushing"],
+    ),
+    "a kept plan that flushes gives way": (
+        [(P + "trials", "PlanTrials.flushes_where_kept", lambda self: False)],
+        [P + "trials.PlanTrials.flushes_where_kept", P + "trials.PlanTrials.instead_of_flushing"],
+    ),
+    "the kind of plan trials kept, taught to other inputs": (
+        [(P + "choice", "_taught_plan", lambda *args: None)],
+        [P + "choice._taught_plan"],
+    ),
+    "lent plans (a smaller input runs a kept plan unmeasured)": (
+        [(P + "book", "InputBook.lend", lambda self, key: None)],
+        [P + "book.InputBook.lend", P + "book.InputBook.misled", P + "inputs.no_larger", P + "inputs.size"],
+    ),
+    "slow forwards teach a cost per GiB offloaded": (
+        [(P + "core", "learn_from_slow_forward", lambda rec, machine, *args: machine)],
+        [P + "learning.learn_from_slow_forward"],
+    ),
+    "copy waits teach the link's share": (
+        [(P + "core", "learn_from_copy_waits", lambda rec, machine, *args: machine)],
+        [P + "learning.learn_from_copy_waits"],
+    ),
+    "faster compute moves the profile": (
+        [(P + "core", "with_faster_compute", lambda profile, plan, obs: profile)],
+        [P + "corrections.with_faster_compute"],
+    ),
+    "a planned step heavier than predicted corrects the model": (
+        [(P + "core", "heavier_than_planned", lambda error, obs, budget: 0)],
+        [P + "corrections.heavier_than_planned"],
+    ),
+    "a pressed step's reserved bytes widen the margin": (
+        [(P + "corrections", "pressed_error", lambda plan, profile, obs, budget: 0)],
+        [P + "corrections.pressed_error"],
+    ),
+    "a measuring step's pressed gap widens the aim": (
+        [(P + "core", "plan_aim", _plan_aim_without_gap)],
+        [P + "measure.pressed_gap", P + "aims.plan_aim"],
+    ),
+    "a step beginning above the measured base replans": (
+        [(P + "core", "grown_base", lambda profile, allocated, budget: 0)],
+        [P + "corrections.grown_base"],
+    ),
+    "a kept plan's first step empties a swollen cache": (
+        [(P + "core", "cache_worth_emptying", lambda reserved, peak, room: False)],
+        [P + "aims.cache_worth_emptying", P + "core.Planner.cache_worth_emptying"],
+    ),
+    "plans with elementwise recompute (light blocks)": (
+        [(P + "profile", "StepProfile.lightenable", property(lambda self: False))],
+        [],
+    ),
+    "plans by parts (attention, MLP, norms)": (
+        [(P + "profile", "StepProfile.splittable", property(lambda self: False))],
+        [],
+    ),
+}
+
+
+@contextlib.contextmanager
+def switched_off(patches: list[tuple[str, str, Any]]) -> Iterator[None]:
+    """Each ``(module, "name" or "Class.name", value)`` set for the duration."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name, path, value in patches:
+            owner: Any = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def code_lines(qualified: str) -> int:
+    """Code lines of a function, method or class (``module.Name`` or ``module.Class.method``)."""
+    module_name, _, rest = qualified.rpartition(".")
+    obj: Any
+    try:
+        obj = importlib.import_module(module_name)
+        names: list[str] = [rest]
+    except ModuleNotFoundError:
+        module_name, _, cls = module_name.rpartition(".")
+        obj, names = importlib.import_module(module_name), [cls, rest]
+    for name in names:
+        obj = getattr(obj, name)
+    source = textwrap.dedent(inspect.getsource(obj))
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(n for n in range(token.start[0], token.end[0] + 1) if n not in docstrings)
+    return len(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_ablation", description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", type=Path, default=TRACES)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--all-recorded", action="store_true", help="also every trace under benchmarks/results/")
+    args = parser.parse_args(argv)
+    traces = {p.stem: json.loads(p.read_text()) for p in sorted(args.traces.glob("*.json"))}
+    if args.all_recorded:
+        recorded = recorded_traces()
+        stale = set(changed_traces(recorded))  # answered otherwise since they were recorded: they tell nothing here
+        traces.update({name: trace for name, trace in recorded.items() if name not in stale})
+    if changed_traces(traces):
+        print("some traces do not replay as recorded even with every rule on", file=sys.stderr)
+        return 1
+    lines = [
+        f"# The planner's rules against {len(traces)} recorded traces",
+        "",
+        "Traces whose replay answers otherwise with the rule switched off; code lines of the functions that make it.",
+        "",
+        "| rule | code lines | traces changed | which |",
+        "|---|---|---|---|",
+    ]
+    for rule, (patches, makers) in RULES.items():
+        with switched_off(patches):
+            changed = changed_traces(traces)
+        weight = sum(code_lines(m) for m in makers) if makers else "-"
+        shown = ", ".join(sorted({short_name(name) for name in changed})[:12])
+        more = f" (+{len(changed) - 12})" if len(changed) > 12 else ""
+        lines.append(f"| {rule} | {weight} | {len(changed)} | {shown or '-'}{more} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
