@@ -7,7 +7,9 @@ directive then differs from the one it recorded. Beside each rule, the code line
 changes many is the behaviour those runs had.
 
 A replay tells a trace's observations again: it shows what the planner would have decided, not what the steps would
-then have done; a rule that acts only after a decision it changed counts once, at the first.
+then have done; a rule that acts only after a decision it changed counts once, at the first. With ``--all-recorded``,
+the traces recorded before a later change (the planner now answers them otherwise) cannot count; the last column
+names those of them that replay as recorded once the rule is off: the runs that rule was made for.
 
     python -m benchmarks.planner_ablation                  # the traces under tests/data/traces/
     python -m benchmarks.planner_ablation --all-recorded   # and every trace under benchmarks/results/
@@ -113,18 +115,24 @@ RULES: dict[str, tuple[list[tuple[str, str, Any]], list[str]]] = {
 }
 
 
+def attribute(module_name: str, path: str) -> tuple[Any, str, Any]:
+    """What ``path`` (``"name"`` or ``"Class.name"``) of ``module_name`` names: its owner, its name and its value (a
+    class's own, not one it inherits)."""
+    owner: Any = importlib.import_module(module_name)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
 @contextlib.contextmanager
 def switched_off(patches: list[tuple[str, str, Any]]) -> Iterator[None]:
     """Each ``(module, "name" or "Class.name", value)`` set for the duration."""
     saved: list[tuple[Any, str, Any]] = []
     try:
         for module_name, path, value in patches:
-            owner: Any = importlib.import_module(module_name)
-            *outer, name = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
-            setattr(owner, name, value)
+            saved.append(attribute(module_name, path))
+            setattr(saved[-1][0], saved[-1][1], value)
         yield
     finally:
         for owner, name, value in reversed(saved):
@@ -166,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-recorded", action="store_true", help="also every trace under benchmarks/results/")
     args = parser.parse_args(argv)
     traces = {p.stem: json.loads(p.read_text()) for p in sorted(args.traces.glob("*.json"))}
+    older: dict[str, dict[str, Any]] = {}  # recorded before a later change: the planner answers them otherwise now
     if args.all_recorded:
         recorded = recorded_traces()
-        stale = set(changed_traces(recorded))  # answered otherwise since they were recorded: they tell nothing here
+        stale = set(changed_traces(recorded))
+        older = {name: recorded[name] for name in stale}
         traces.update({name: trace for name, trace in recorded.items() if name not in stale})
     if changed_traces(traces):
         print("some traces do not replay as recorded even with every rule on", file=sys.stderr)
@@ -178,16 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Traces whose replay answers otherwise with the rule switched off; code lines of the functions that make it.",
         "",
-        "| rule | code lines | traces changed | which |",
-        "|---|---|---|---|",
+        "| rule | code lines | traces changed | which | older runs it was made for |",
+        "|---|---|---|---|---|",
     ]
     for rule, (patches, makers) in RULES.items():
         with switched_off(patches):
             changed = changed_traces(traces)
+            made_for = sorted(set(older) - set(changed_traces(older)))
         weight = sum(code_lines(m) for m in makers) if makers else "-"
         shown = ", ".join(sorted({short_name(name) for name in changed})[:12])
         more = f" (+{len(changed) - 12})" if len(changed) > 12 else ""
-        lines.append(f"| {rule} | {weight} | {len(changed)} | {shown or '-'}{more} |")
+        lines.append(f"| {rule} | {weight} | {len(changed)} | {shown or '-'}{more} | {', '.join(made_for) or '-'} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
