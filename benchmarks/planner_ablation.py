@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.planner_sensitivity import TRACES, changed_traces, recorded_traces, short_name
+from benchmarks.planner_sensitivity import TRACES, changed_traces, recorded_traces, short_name, write_table
 
 P = "lightning_offload.planner."
 
@@ -199,11 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = ", ".join(sorted({short_name(name) for name in changed})[:12])
         more = f" (+{len(changed) - 12})" if len(changed) > 12 else ""
         lines.append(f"| {rule} | {weight} | {len(changed)} | {shown or '-'}{more} | {', '.join(made_for) or '-'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0
+    return write_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -169,10 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         shown = ", ".join(sorted(short_name(n) for n in names))
         short = module.__name__.rsplit(".", 1)[-1]
         lines.append(f"| `{name}` | {short} | {value:g} | {counts[0]} | {counts[1]} | {shown or '-'} |")
+    return write_table(lines, args.out)
+
+
+def write_table(lines: list[str], out: Path | None) -> int:
+    """Print a Markdown table's ``lines``, and write them to ``out`` where given; the exit status."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    if out is not None:
+        out.write_text(text)
     return 0
 
 

@@ -30,18 +30,24 @@ class TokenModule(pl.LightningModule):
 
 
 def _fit(
-    tmp_path: Path, callbacks: list[pl.Callback], precision: str, accumulate: int, compiled: bool = False
+    tmp_path: Path,
+    callbacks: list[pl.Callback],
+    precision: str,
+    accumulate: int,
+    compiled: bool = False,
+    module: TokenModule | None = None,
+    max_steps: int = 2,
 ) -> TokenModule:
     torch.manual_seed(0)
     data = torch.randint(0, 4096, (8, 4, 1024))
-    module = TokenModule()
+    module = module or TokenModule()
     if compiled:  # each block on its own, as the README advises
         for block in module.net.blocks:
             block.compile()
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
-        max_steps=2,
+        max_steps=max_steps,
         precision=precision,
         accumulate_grad_batches=accumulate,
         callbacks=callbacks,
@@ -275,26 +281,11 @@ def test_a_batch_that_ran_out_of_memory_mid_backward_runs_again_and_the_fit_goes
     """A planned batch (the fourth) meets CUDA's own out-of-memory error mid-backward, copies in flight: the batch
     runs again under the planner's correction and the fit ends with the parameters of a fit without the callback,
     bit for bit."""
-    torch.manual_seed(0)
-    data = torch.randint(0, 4096, (8, 4, 1024))
     modules = []
     for callbacks in ([], [ActivationOffloadCallback(memory_budget="auto")]):
-        torch.manual_seed(0)
         module = FailsOnce(at=3 if callbacks else -1)
-        trainer = pl.Trainer(
-            accelerator="cuda",
-            devices=1,
-            max_steps=6,
-            callbacks=callbacks,
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            deterministic=True,
-        )
         with caplog.at_level("WARNING", logger="lightning_offload"):
-            trainer.fit(module, DataLoader(list(data), batch_size=None))
-        modules.append(module)
+            modules.append(_fit(tmp_path / str(len(modules)), callbacks, "32-true", 1, module=module, max_steps=6))
     plain, offloaded = modules
     assert offloaded.failed and offloaded.runs == plain.runs + 1 == 7
     for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
