@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(vocab, (batch, seq + 1), device=device)
 
-    def step(context: OffloadEngine | None) -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def forward_backward(context: OffloadEngine | None) -> None:
+        optimizer.zero_grad(set_to_none=True)  # first: a step run again must not add its gradients twice
         if context is None:
             logits = model(tokens[:, :-1])
         else:
@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with no_offload():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()  # offloaded activations come back (prefetched in "streamed" mode) as backward needs them
+
+    def step(context: OffloadEngine | None) -> None:
+        if context is None:
+            forward_backward(None)
+        else:  # run again, more frugally, where it ran out of memory under the budget
+            context.run_step(lambda: forward_backward(context))
         optimizer.step()
 
     def peak_of(context: OffloadEngine | None) -> float:
