@@ -59,7 +59,9 @@ class ActivationOffloadCallback(Callback):
     (``ddp_spawn``). With a memory budget (the default), the first batches are measured and a plan is chosen and
     reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
     (``plan_trials``, reported too); a batch whose tensors take a new shape is measured, one of a shape met before runs
-    that shape's plan again.
+    that shape's plan again. A batch that runs out of memory under its plan runs again under the planner's correction
+    (a warning says so), where it can: automatic optimization without gradient accumulation, in one process (the
+    module's ``optimizer_step`` is wrapped for the fit).
 
     Example::
 
