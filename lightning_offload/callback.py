@@ -59,9 +59,8 @@ class ActivationOffloadCallback(Callback):
     (``ddp_spawn``). With a memory budget (the default), the first batches are measured and a plan is chosen and
     reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
     (``plan_trials``, reported too); a batch whose tensors take a new shape is measured, one of a shape met before runs
-    that shape's plan again. A batch that runs out of memory under its plan runs again under the planner's correction
-    (a warning says so), where it can: automatic optimization without gradient accumulation, in one process (the
-    module's ``optimizer_step`` is wrapped for the fit).
+    that shape's plan again. A batch that ran out of memory runs again under the planner's correction, where it can
+    (automatic optimization, no gradient accumulation, one process: the module's ``optimizer_step`` is wrapped).
 
     Example::
 
@@ -118,8 +117,7 @@ class ActivationOffloadCallback(Callback):
         self._active = False
         self._leave_after_backward = True
         self._unwrap: Callable[[], None] | None = None  # undoes the batches' running again (``rerun_when_eased``)
-        self._last_stats = OffloadStats()
-        self._batch_started = False
+        self._last_stats, self._batch_started = OffloadStats(), False
 
     @property
     def stats(self) -> OffloadStats:
