@@ -60,7 +60,7 @@ class ActivationOffloadCallback(Callback):
     reported (one line at INFO); where plans are worth comparing, each runs a few batches and the fastest is kept
     (``plan_trials``, reported too); a batch whose tensors take a new shape is measured, one of a shape met before runs
     that shape's plan again. A batch that ran out of memory runs again under the planner's correction, where it can
-    (automatic optimization, no gradient accumulation, one process: the module's ``optimizer_step`` is wrapped).
+    (automatic optimization, one process; with gradient accumulation only its ``training_step``: see the README).
 
     Example::
 

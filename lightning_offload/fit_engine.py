@@ -5,6 +5,7 @@ ends or the fit fails."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -74,13 +75,17 @@ def leaves_after_backward(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
 def rerun_when_eased(
     trainer: pl.Trainer, pl_module: pl.LightningModule, engine: OffloadEngine, reporter: StepReporter
 ) -> Callable[[], None] | None:
-    """Where a batch can run again after an out-of-memory error, have it: the closure Lightning hands the module's
-    ``optimizer_step`` runs through :meth:`OffloadEngine.run_step`, which runs it again where the planner's correction
-    made the next step more frugal; each run again begins the engine's step afresh, with the peak counters reset.
+    """Where a batch can run again after an out-of-memory error, have it: through :meth:`OffloadEngine.run_step`, which
+    runs it again where the planner's correction made the next step more frugal; each run again begins the engine's
+    step afresh, with the peak counters reset.
 
-    Lightning's closure clears the gradients before its backward only where no gradients are accumulated, and runs once
-    per batch only under automatic optimization without LBFGS (:func:`leaves_after_backward`); in several processes,
-    one that ran a batch again would run its collectives out of step with the others. Elsewhere nothing is wrapped.
+    Without gradient accumulation, Lightning's closure (the batch's forward, its clearing of the gradients and its
+    backward) runs once per batch, through the module's ``optimizer_step``: the closure runs again, whether its forward
+    or its backward failed. With accumulation (or a scheduler that may accumulate later, which refuses an
+    ``optimizer_step`` that is not the module's own), a batch's backward adds to gradients it cannot take back: only
+    ``training_step`` runs again, where its forward failed. Nothing is wrapped under manual optimization or LBFGS
+    (:func:`leaves_after_backward`: a batch's forward may follow a backward), nor in several processes, where one that
+    ran a batch again would run its collectives out of step with the others.
 
     Args:
         trainer: the trainer, its optimizers set up.
@@ -91,30 +96,40 @@ def rerun_when_eased(
     Returns:
         What undoes the wrapping (``None``: nothing was wrapped).
     """
-    if not (engine.options.plans and trainer.accumulate_grad_batches == 1 and trainer.world_size == 1):
+    if not (engine.options.plans and trainer.world_size == 1 and leaves_after_backward(trainer, pl_module)):
         return None
-    # (A scheduler that accumulates later refuses an ``optimizer_step`` that is not the module's own.)
     scheduled = any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)  # type: ignore[attr-defined]
-    if scheduled or not leaves_after_backward(trainer, pl_module):
-        return None
-    step = pl_module.optimizer_step  # the module's own (Lightning's, or the user's override)
 
-    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-        if optimizer_closure is None or trainer.accumulate_grad_batches != 1:
+    def anew(run: Callable[..., Any]) -> Callable[..., Any]:
+        """``run`` through ``run_step``, each run after the first beginning the batch's step afresh."""
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            runs = [0]
+
+            def attempt() -> Any:
+                if runs[0]:  # the run before ran out of memory
+                    install_for_batch(engine, reporter, trainer)
+                    reporter.start_batch()
+                runs[0] += 1
+                return run(*args, **kwargs)
+
+            return engine.run_step(attempt)
+
+        return again
+
+    if trainer.accumulate_grad_batches == 1 and not scheduled:
+        step = pl_module.optimizer_step  # the module's own (Lightning's, or the user's override)
+
+        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            if optimizer_closure is not None and trainer.accumulate_grad_batches == 1:
+                optimizer_closure = anew(optimizer_closure)
             return step(epoch, batch_idx, optimizer, optimizer_closure)
-        runs = [0]
 
-        def closure(*args: Any, **kwargs: Any) -> Any:
-            if runs[0]:  # the run before ran out of memory: the batch's step begins again
-                install_for_batch(engine, reporter, trainer)
-                reporter.start_batch()
-            runs[0] += 1
-            return optimizer_closure(*args, **kwargs)
-
-        return step(epoch, batch_idx, optimizer, lambda *a, **k: engine.run_step(lambda: closure(*a, **k)))
-
-    pl_module.optimizer_step = optimizer_step  # type: ignore[method-assign]
-    return lambda: pl_module.__dict__.pop("optimizer_step", None)
+        pl_module.optimizer_step = optimizer_step  # type: ignore[method-assign]
+        return lambda: pl_module.__dict__.pop("optimizer_step", None)
+    # (Wrapped with its signature: Lightning reads it to tell what the step takes.)
+    pl_module.training_step = functools.wraps(pl_module.training_step)(anew(pl_module.training_step))
+    return lambda: pl_module.__dict__.pop("training_step", None)
 
 
 def announce_planning(engine: OffloadEngine | None, pl_module: pl.LightningModule, budget: object) -> None:

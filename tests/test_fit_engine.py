@@ -146,20 +146,20 @@ def test_a_floor_over_the_budget_is_said_once_with_its_parts_and_nothing_below_i
 
 
 class OutOfMemoryOnce(LitNet):
-    """Runs out of memory the first time batch 2 runs: in its forward (``training_step``, the hooks installed) or
+    """Runs out of memory the first time batch ``at`` runs: in its forward (``training_step``, the hooks installed) or
     after its backward (``on_after_backward``, the hooks gone); counts the forwards."""
 
-    def __init__(self, offload: ActivationOffloadCallback | None, where: str) -> None:
+    def __init__(self, offload: ActivationOffloadCallback | None, where: str, at: int = 2) -> None:
         super().__init__(offload=offload)
-        self.where, self.forwards, self.failed = where, 0, False
+        self.where, self.at, self.forwards, self.failed, self.batch = where, at, 0, False, -1
 
     def _fail_once(self, where: str) -> None:
-        if self.where == where and self.global_step == 2 and not self.failed:
+        if self.where == where and self.batch == self.at and not self.failed:
             self.failed = True
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB. GPU 0")
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
-        self.forwards += 1
+        self.forwards, self.batch = self.forwards + 1, batch_idx
         loss = super().training_step(batch, batch_idx)
         self._fail_once("training_step")
         return loss
@@ -199,18 +199,30 @@ def test_a_batch_that_ran_out_of_memory_runs_again_under_a_more_frugal_plan(
     said = [r.getMessage() for r in caplog.records]
     assert sum("the step ran out of memory (a request of" in text for text in said) == 1
     assert not any("does not train at this input size" in text for text in said)
-    assert "optimizer_step" not in module.__dict__
+    assert "optimizer_step" not in module.__dict__ and "training_step" not in module.__dict__
 
 
-def test_under_gradient_accumulation_a_batch_that_ran_out_of_memory_is_not_run_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["training_step", "backward"])
+def test_under_gradient_accumulation_only_a_forward_that_ran_out_of_memory_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """Lightning's closure clears the gradients only at a window's first batch: a later batch run again would add its
-    gradients twice. The error ends the fit, as without the callback."""
+    """Lightning's closure clears the gradients only at a window's first batch, and a backward adds to them as it goes:
+    the second batch of a window (batch 5) runs its ``training_step`` again where its forward ran out of memory, and
+    the fit ends with the weights of a plain fit with the same accumulation, bit for bit (the first batch's gradients
+    kept); where its backward ran out, the error ends the fit, as without the callback."""
     planned_on_constant_memory(monkeypatch)
     callback = offload_callback(memory_budget="8GiB")
-    module = OutOfMemoryOnce(callback, "training_step")
-    with pytest.raises(torch.cuda.OutOfMemoryError):
+    torch.manual_seed(0)
+    module = OutOfMemoryOnce(callback, where, at=5)
+    if where == "backward":
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            fit(tmp_path, module, batches(8), [callback], max_steps=4, accumulate_grad_batches=2)
+        assert module.forwards == 6  # batch 5 ran once
+    else:
         fit(tmp_path, module, batches(8), [callback], max_steps=4, accumulate_grad_batches=2)
-    assert module.forwards == 5  # batch 4 (global step 2) ran once
-    assert "optimizer_step" not in module.__dict__
+        torch.manual_seed(0)
+        plain = LitNet()
+        fit(tmp_path / "plain", plain, batches(8), max_steps=4, accumulate_grad_batches=2)
+        assert module.failed and module.forwards == 9
+        assert all(torch.equal(a, b) for a, b in zip(module.parameters(), plain.parameters(), strict=True))
+    assert "optimizer_step" not in module.__dict__ and "training_step" not in module.__dict__
