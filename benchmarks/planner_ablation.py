@@ -11,6 +11,14 @@ then have done; a rule that acts only after a decision it changed counts once, a
 the traces recorded before a later change (the planner now answers them otherwise) cannot count; the last column
 names those of them that replay as recorded once the rule is off: the runs that rule was made for.
 
+What a rule buys in time, where the recorded run can tell: for the input whose plan a rule's absence first changes,
+the plan the recorded run ended that input's steps with, and the one the planner would have ended them with instead,
+were often both timed in that run (trials time several plans of one input). The ratio of their step times (the median
+of each plan's timed steps after its first, which settles) is the step time the rule saved (above 1) or cost (below 1)
+there; the column gives its median and 90th percentile over the traces where both were timed, and their count. The
+replay after a changed decision still hears the recorded steps, so this prices the decision, not the run it would
+have led to.
+
     python -m benchmarks.planner_ablation                  # the traces under tests/data/traces/
     python -m benchmarks.planner_ablation --all-recorded   # and every trace under benchmarks/results/
     python -m benchmarks.planner_ablation --out table.md
@@ -25,6 +33,7 @@ import importlib
 import inspect
 import io
 import json
+import statistics
 import sys
 import textwrap
 import tokenize
@@ -115,6 +124,72 @@ RULES: dict[str, tuple[list[tuple[str, str, Any]], list[str]]] = {
 }
 
 
+def plan_key(directive: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What tells a directive's plan apart from another of the same input (``None``: a measuring step's)."""
+    plan = directive.get("plan")
+    if plan is None:
+        return None
+    return plan["offload_bytes"], plan["checkpoint_blocks"], plan.get("light_blocks"), plan.get("split")
+
+
+def timed_plans(trace: dict[str, Any]) -> tuple[list[int], dict[tuple[int, Any], float]]:
+    """Each ``begin`` event's input (its count of ``input`` events before it), and the step milliseconds of each
+    ``(input, plan)`` the trace timed: the median of its timed steps after the first, which settles (all of them where
+    it ran one), leaving out steps that ran out of memory."""
+    inputs: list[int] = []
+    steps: dict[tuple[int, Any], list[float]] = {}
+    current, key = 0, None
+    for name, *args in trace["events"]:
+        if name == "input":
+            current += 1
+        elif name == "begin":
+            inputs.append(current)
+            key = plan_key(args[1])
+        elif name == "observe" and key is not None:
+            if args[0].get("step_ms", 0.0) > 0 and not args[0].get("out_of_memory"):
+                steps.setdefault((current, key), []).append(args[0]["step_ms"])
+            key = None
+    return inputs, {k: statistics.median(v[1:] or v) for k, v in steps.items()}
+
+
+def time_ratio(trace: dict[str, Any], answers: list[dict[str, Any]]) -> float | None:
+    """For the input where ``answers`` first run another plan than ``trace`` recorded: the step time of the plan
+    ``answers`` end that input's steps with, over that of the plan the trace ended them with, where the trace timed
+    both (``None`` elsewhere, and where they end with the same plan)."""
+    from lightning_offload.planner.trace import recorded_answers
+
+    recorded = recorded_answers(trace)
+    pairs = list(zip(answers, recorded, strict=False))
+    first = next((i for i, (a, b) in enumerate(pairs) if plan_key(a) != plan_key(b)), None)
+    if first is None:
+        return None
+    inputs, times = timed_plans(trace)
+    last = max(i for i in range(len(pairs)) if inputs[i] == inputs[first])
+    instead, kept = (times.get((inputs[last], plan_key(d))) for d in pairs[last])
+    if plan_key(pairs[last][0]) == plan_key(pairs[last][1]):
+        return None
+    return instead / kept if instead and kept else None
+
+
+def replayed(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The directives a fresh planner answers ``trace`` with (none where the replay raises)."""
+    from lightning_offload.planner.replay import replay
+
+    try:
+        return replay(trace)[1]
+    except Exception:  # a rule switched off may break an invariant: no plan to time
+        return []
+
+
+def ratio_summary(ratios: list[float]) -> str:
+    """Median and 90th percentile of step-time ratios, and their count."""
+    if not ratios:
+        return "-"
+    ordered = sorted(ratios)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"{statistics.median(ordered):.2f}x, {p90:.2f}x ({len(ordered)})"
+
+
 def attribute(module_name: str, path: str) -> tuple[Any, str, Any]:
     """What ``path`` (``"name"`` or ``"Class.name"``) of ``module_name`` names: its owner, its name and its value (a
     class's own, not one it inherits)."""
@@ -188,17 +263,22 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Traces whose replay answers otherwise with the rule switched off; code lines of the functions that make it.",
         "",
-        "| rule | code lines | traces changed | which | older runs it was made for |",
-        "|---|---|---|---|---|",
+        "| rule | code lines | traces changed | step time instead, where timed: median, p90 (traces) | which |"
+        " older runs it was made for |",
+        "|---|---|---|---|---|---|",
     ]
     for rule, (patches, makers) in RULES.items():
         with switched_off(patches):
             changed = changed_traces(traces)
+            ratios = [r for name in changed if (r := time_ratio(traces[name], replayed(traces[name]))) is not None]
             made_for = sorted(set(older) - set(changed_traces(older)))
         weight = sum(code_lines(m) for m in makers) if makers else "-"
         shown = ", ".join(sorted({short_name(name) for name in changed})[:12])
         more = f" (+{len(changed) - 12})" if len(changed) > 12 else ""
-        lines.append(f"| {rule} | {weight} | {len(changed)} | {shown or '-'}{more} | {', '.join(made_for) or '-'} |")
+        lines.append(
+            f"| {rule} | {weight} | {len(changed)} | {ratio_summary(ratios)} | {shown or '-'}{more} "
+            f"| {', '.join(made_for) or '-'} |"
+        )
     return write_table(lines, args.out)
 
 
