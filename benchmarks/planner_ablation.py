@@ -165,20 +165,21 @@ def time_ratio(trace: dict[str, Any], answers: list[dict[str, Any]]) -> float | 
         return None
     inputs, times = timed_plans(trace)
     last = max(i for i in range(len(pairs)) if inputs[i] == inputs[first])
-    instead, kept = (times.get((inputs[last], plan_key(d))) for d in pairs[last])
-    if plan_key(pairs[last][0]) == plan_key(pairs[last][1]):
+    ends = [plan_key(d) for d in pairs[last]]
+    if ends[0] == ends[1]:
         return None
+    instead, kept = (times.get((inputs[last], key)) for key in ends)
     return instead / kept if instead and kept else None
 
 
-def replayed(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """The directives a fresh planner answers ``trace`` with (none where the replay raises)."""
+def replayed(trace: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The directives a fresh planner answers ``trace`` with (``None`` where the replay raises)."""
     from lightning_offload.planner.replay import replay
 
     try:
         return replay(trace)[1]
-    except Exception:  # a rule switched off may break an invariant: no plan to time
-        return []
+    except Exception:  # a rule switched off may break an invariant: that is a change too, with no plan to time
+        return None
 
 
 def ratio_summary(ratios: list[float]) -> str:
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--all-recorded", action="store_true", help="also every trace under benchmarks/results/")
     args = parser.parse_args(argv)
+    from lightning_offload.planner.trace import recorded_answers
+
     traces = {p.stem: json.loads(p.read_text()) for p in sorted(args.traces.glob("*.json"))}
     older: dict[str, dict[str, Any]] = {}  # recorded before a later change: the planner answers them otherwise now
     if args.all_recorded:
@@ -269,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for rule, (patches, makers) in RULES.items():
         with switched_off(patches):
-            changed = changed_traces(traces)
-            ratios = [r for name in changed if (r := time_ratio(traces[name], replayed(traces[name]))) is not None]
+            # (Each trace replayed once: whether it changed, and what its change cost, from the same answers.)
+            answers = {name: replayed(trace) for name, trace in traces.items()}
+            changed = [name for name, said in answers.items() if said != recorded_answers(traces[name])]
+            ratios = [r for name in changed if (r := time_ratio(traces[name], answers[name] or [])) is not None]
             made_for = sorted(set(older) - set(changed_traces(older)))
         weight = sum(code_lines(m) for m in makers) if makers else "-"
         shown = ", ".join(sorted({short_name(name) for name in changed})[:12])

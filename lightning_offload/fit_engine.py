@@ -121,7 +121,7 @@ def rerun_when_eased(
         step = pl_module.optimizer_step  # the module's own (Lightning's, or the user's override)
 
         def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-            if optimizer_closure is not None and trainer.accumulate_grad_batches == 1:
+            if optimizer_closure is not None:
                 optimizer_closure = anew(optimizer_closure)
             return step(epoch, batch_idx, optimizer, optimizer_closure)
 
