@@ -9,7 +9,8 @@
 # runs none (a call for zoo parts alone). ZOO lists zoo parts (`--part i/n`), run in order; empty: none. WORKLOADS_S
 # and ZOO_S bound each workloads run and each zoo part, in seconds (defaults 280 and 270: one tree's four workloads
 # take about 4 minutes on an H100, a third of the zoo 3-5; a zoo part cut at its limit keeps the rows it ran, not their
-# traces). PYTHON names the interpreter, `python` by default.
+# traces). MODES replaces this tree's workload modes (the default adds the defaults and checkpointing to the baseline's
+# none and budgets). PYTHON names the interpreter, `python` by default.
 #
 # Writes two files under $OUT (a device call brings back few): summary.txt, one line per part with its exit status and
 # seconds, and planner-check.tgz, packed again after every part (a call cut short keeps what ran): workloads-<tree>.json
@@ -40,7 +41,7 @@ keep() { # keep FROM NAME: a result the run wrote, into the pack
 # The planner's budgets beside the plain step, the defaults and checkpointing; the baseline runs the planner's rows.
 if [ -n "${workloads}" ]; then
     part workloads-head "${WORKLOADS_S:-280}" "${python}" -m benchmarks --workloads "${workloads}" \
-        --modes none,ours-default,ac,ours-budget-0.9x,ours-budget-0.7x --out "${work}/head" --device-name head \
+        --modes "${MODES:-none,ours-default,ac,ours-budget-0.9x,ours-budget-0.7x}" --out "${work}/head" --device-name head \
         --deadline "$((${WORKLOADS_S:-280} - 10))"
     keep "${work}/head/head.json" workloads-head.json
     if [ -n "${BASELINE:-}" ]; then
