@@ -373,8 +373,8 @@ def _step_peak(model: nn.Module, tokens: torch.Tensor, engine: object | None) ->
 
 def _step_rise(model: nn.Module, tokens: torch.Tensor, engine: object | None) -> int:
     """How far one step's peak rises above what was allocated as it began: unlike the absolute peak, it does not
-    count what earlier tests left allocated and freed between two steps (on an H100, after a failed test, its model
-    and gradients: 0.6-1.3 GB)."""
+    count what earlier tests left allocated and was freed between two steps (on an H100, after a failed test, 0.6-1.3
+    GB that the garbage collector had not held)."""
     gc.collect()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
