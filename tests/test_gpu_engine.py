@@ -480,6 +480,53 @@ def rerun_after_cuda_oom() -> dict[str, object]:
     return result
 
 
+def test_a_second_model_in_one_process_plans_as_in_a_fresh_process() -> None:
+    """A model trained under a budget, then dropped, leaves its cache in the process (expandable segments are never
+    unmapped but by emptying the cache); a second, smaller model under a budget below that cache then plans as in a
+    fresh process: its plans aim above half its budget and it runs a plan lighter than every block checkpointed.
+    (Counting the first model's cache as the second's fragments, plans aimed below zero.) In a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    proc = processes.start([sys.executable, "-m", "tests.gpu.second_model_under_budget"], env)
+    out, in_time = processes.finish(proc, timeout=300)
+    assert in_time and proc.returncode == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["cached_before"] > result["budget"], result  # the case: more cached than the second model's budget
+    assert result["aim"] > result["budget"] // 2, result
+    assert result["checkpoint_blocks"] < result["blocks"], result
+
+
+def second_model_under_budget() -> dict[str, object]:
+    """What ``test_a_second_model_in_one_process_plans_as_in_a_fresh_process`` checks, from a fresh process
+    (``tests.gpu.second_model_under_budget``): an 8-block model trained under a budget and dropped, then a 4-block
+    one under 0.8x its plain peak, its cheapest plan (no trials, so that timings do not choose)."""
+    first, tokens, plain_peak, _ = _seeded_net(layers=8, batch=8)
+    engine = offload_activations(model=first, memory_budget=int(0.8 * plain_peak))
+    for _ in range(6):
+        _grads(first, tokens, engine, True)
+    engine.close()
+    del first, tokens, engine
+    gc.collect()
+    torch.cuda.synchronize()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    second, tokens, plain_peak, _ = _seeded_net(layers=4, batch=2)
+    budget = int(0.8 * plain_peak)
+    engine = offload_activations(model=second, memory_budget=budget, plan_trials=False)
+    for _ in range(4):
+        _grads(second, tokens, engine, True)
+    planner = engine.planner
+    assert planner is not None and planner.plan is not None
+    result = {
+        "cached_before": cached,
+        "budget": budget,
+        "aim": planner.core.plan_budget,
+        "plan": str(planner.plan),
+        "checkpoint_blocks": planner.plan.checkpoint_blocks,
+        "blocks": len(second.blocks),
+    }
+    engine.close()
+    return result
+
+
 class PartsBlock(nn.Module):
     """A decoder layer as Hugging Face writes them: attention, MLP and norms as modules of their own."""
 
