@@ -1031,7 +1031,7 @@ def test_emptying_the_cache_is_not_read_as_a_step_that_reserved_past_the_budget(
             engine.planner.owns_peaks = owns_peaks
     planner = engine.planner
     assert planner is not None and planner.profile is not None
-    assert state["releases"] == 1
+    assert state["releases"] == 2  # as the planner's first step began (nothing of its own cached) and once after
     assert planner.profile.correction == 0
 
 
@@ -2113,7 +2113,7 @@ def test_a_short_inputs_plan_leaves_the_cache_a_longer_input_kept_needs() -> Non
         memory.unhooked_input = x
         step_on(engine, model, x)
     assert memory.peaks and max(memory.peaks) > 1.2 * min(p for p in memory.peaks if p > 0)  # the inputs differ
-    assert state["releases"] == 0
+    assert state["releases"] == 1  # only as the planner's first step began, before any input's plan
 
 
 def planned_on_alternating_inputs() -> tuple[torch.Tensor, SimulatedStreams, Stack, OffloadEngine, BudgetPlanner, Plan]:
