@@ -189,8 +189,7 @@ class BudgetPlanner:
         release = getattr(self.memory, "release_cache", None)
         # The first step also begins in an emptied cache: what the process cached before this planner (another model,
         # a validation loop, an earlier engine) is not this model's layout, and a measuring step that found it would
-        # count it as its own fragments (in a GPU test after others, plans aimed at -6.45 GiB under a 13.31 GiB
-        # budget). A fresh process emptied it as it switched to expandable segments; this empties nothing more there.
+        # count it as its own fragments. (A fresh process emptied it already, as it switched to expandable segments.)
         if (self.core.empties_cache or self.core.step == 0) and release is not None:
             held = counter(self.memory, "reserved")
             release()
