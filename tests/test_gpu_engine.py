@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -303,14 +304,26 @@ def test_a_backward_that_stops_short_leaves_later_steps_exact(net: tuple[nn.Modu
             assert all(torch.equal(a, b) for a, b in zip(_grads(model, tokens, engine, True), expected, strict=True))
 
 
+def _alone(*args: str, allocator_settings: bool = True) -> dict[str, Any]:
+    """Run ``python -m args...`` from the repository root in a process of its own (a fresh allocator, nothing another
+    test left allocated or cached) and return the JSON its last line prints; the test fails with the output's end where
+    the process failed or ran past 300 s. Without ``allocator_settings`` the child runs without
+    ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, so that the engine configures the allocator itself."""
+    env = dict(os.environ)
+    if not allocator_settings:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env.pop("PYTORCH_ALLOC_CONF", None)
+    proc = processes.start([sys.executable, "-m", *args], env)
+    out, in_time = processes.finish(proc, timeout=300)
+    assert in_time and proc.returncode == 0, out[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_offloading_everything_reserves_at_most_1_10x_what_it_allocates() -> None:
     """Everything offloaded, in a fresh process: the steps reserve no more than 1.10x what they allocate (the spans
     backward fetched back and freed serve the next allocations; on an H200 1.06x, and 1.08x when each span still
     carried ``record_stream``)."""
-    proc = processes.start([sys.executable, "-m", "tests.gpu.reserved_when_offloading"], dict(os.environ))
-    out, in_time = processes.finish(proc, timeout=300)
-    assert in_time and proc.returncode == 0, out[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _alone("tests.gpu.fresh_process", "reserved_when_offloading")
     assert result["offloaded_gib"] > 1.0, result
     assert result["reserved_gib"] <= 1.10 * result["allocated_gib"], result
 
@@ -428,11 +441,7 @@ def test_a_step_that_ran_out_of_memory_mid_backward_runs_again_with_the_plain_gr
     left allocated and cached shapes the planner's first plans (on an H100, a measuring step pressed by another test's
     cache aimed every plan below zero, so the step that failed already ran the most frugal plan, and the error stood,
     as designed)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    proc = processes.start([sys.executable, "-m", "tests.gpu.rerun_after_oom"], env)
-    out, in_time = processes.finish(proc, timeout=300)
-    assert in_time and proc.returncode == 0, out[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _alone("tests.gpu.fresh_process", "rerun_after_cuda_oom", allocator_settings=False)
     assert result["lighter_than_every_block"], result  # a more frugal plan was left to run again under
     assert result["failed"] and result["runs"] == 2 and result["plan_changed"], result
     assert result["gradients_equal"] and result["next_gradients_equal"], result
@@ -440,7 +449,7 @@ def test_a_step_that_ran_out_of_memory_mid_backward_runs_again_with_the_plain_gr
 
 def rerun_after_cuda_oom() -> dict[str, object]:
     """What ``test_a_step_that_ran_out_of_memory_mid_backward_runs_again_with_the_plain_gradients`` checks, from a
-    fresh process (``tests.gpu.rerun_after_oom``). The warm-up runs until a plan runs that checkpoints fewer than every
+    fresh process (``tests.gpu.fresh_process``). The warm-up runs until a plan runs that checkpoints fewer than every
     block: a measuring step is as frugal as any plan, and so is a plan that checkpoints every block, so a step that
     failed there would have nothing more frugal left to run again under."""
     model, tokens, plain_peak, reference = _seeded_net(layers=8, batch=8)
@@ -485,11 +494,7 @@ def test_a_second_model_in_one_process_plans_as_in_a_fresh_process() -> None:
     unmapped but by emptying the cache); a second, smaller model under a budget below that cache then plans as in a
     fresh process: its plans aim above half its budget and it runs a plan lighter than every block checkpointed.
     (Counting the first model's cache as the second's fragments, plans aimed below zero.) In a process of its own."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    proc = processes.start([sys.executable, "-m", "tests.gpu.second_model_under_budget"], env)
-    out, in_time = processes.finish(proc, timeout=300)
-    assert in_time and proc.returncode == 0, out[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _alone("tests.gpu.fresh_process", "second_model_under_budget", allocator_settings=False)
     assert result["cached_before"] > result["budget"], result  # the case: more cached than the second model's budget
     assert result["aim"] > result["budget"] // 2, result
     assert result["checkpoint_blocks"] < result["blocks"], result
@@ -497,7 +502,7 @@ def test_a_second_model_in_one_process_plans_as_in_a_fresh_process() -> None:
 
 def second_model_under_budget() -> dict[str, object]:
     """What ``test_a_second_model_in_one_process_plans_as_in_a_fresh_process`` checks, from a fresh process
-    (``tests.gpu.second_model_under_budget``): an 8-block model trained under a budget and dropped, then a 4-block
+    (``tests.gpu.fresh_process``): an 8-block model trained under a budget and dropped, then a 4-block
     one under 0.8x its plain peak, its cheapest plan (no trials, so that timings do not choose)."""
     first, tokens, plain_peak, _ = _seeded_net(layers=8, batch=8)
     engine = offload_activations(model=first, memory_budget=int(0.8 * plain_peak))
@@ -566,7 +571,7 @@ def reserved_when_offloading() -> dict[str, float]:
 def allocations_under_a_users_budget() -> dict[str, object]:
     """Fixed segments cached before training (as a process holds them after loading a model or running validation),
     then training under a budget the user gives: what the allocator holds after. Run in a fresh process, whose
-    allocator starts with fixed segments (``tests.gpu.segments_under_budget``); returns what the test checks."""
+    allocator starts with fixed segments (``tests.gpu.fresh_process``); returns what the test checks."""
     torch.manual_seed(0)
     model = Net(hidden=1024, layers=8).cuda()
     tokens = torch.randint(0, 4096, (8, 2048), device="cuda")
@@ -657,10 +662,7 @@ def test_a_budget_only_checkpointing_by_parts_meets_trains_under_a_hard_cap() ->
     """Below the most frugal whole-block plan, the blocks checkpointed by their parts train under a hard cap at the
     budget, within it, with the plain gradients. In a process of its own, as a training run is: in this one, segments
     that earlier tests left partly used (2.1 GiB on an H200) could not be released under the cap."""
-    proc = processes.start([sys.executable, "-m", "tests.gpu.by_parts_under_cap"], dict(os.environ))
-    out, in_time = processes.finish(proc, timeout=300)
-    assert in_time and proc.returncode == 0, out[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _alone("tests.gpu.by_parts_under_cap")
     # Whole, a block rebuilds its attention and MLP at once: on an H200 the two frugal plans were 0.33 GB apart at
     # 8 rows of 1024 tokens, 0.6 GiB at 16.
     assert result["by_parts_gib"] < result["whole_gib"] - 0.375, result
@@ -676,11 +678,7 @@ def test_a_users_budget_trains_in_expandable_segments_from_its_first_step() -> N
     the cache kept, cached fixed segments took the next allocations (on an H200, small-h512's optimizer state went into
     an earlier fixed segment, whose holes no flush could return). In a process of its own: the allocator's setting is
     the process's, and this one switched long ago."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    proc = processes.start([sys.executable, "-m", "tests.gpu.segments_under_budget"], env)
-    out, in_time = processes.finish(proc, timeout=300)
-    assert in_time and proc.returncode == 0, out[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _alone("tests.gpu.fresh_process", "allocations_under_a_users_budget", allocator_settings=False)
     assert result["cached_fixed_before"] >= 512 << 20, result
     assert result["cached_fixed_after"] == 0 and result["cached_fixed_kept"] == 0, result
     assert result["fixed_segments_made_while_training"] == 0, result
