@@ -41,7 +41,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.planner_sensitivity import TRACES, changed_traces, recorded_traces, short_name, write_table
+from benchmarks.planner_sensitivity import (
+    TRACES,
+    changed_traces,
+    recorded_traces,
+    replayed,
+    short_name,
+    write_table,
+)
 
 P = "lightning_offload.planner."
 
@@ -170,16 +177,6 @@ def time_ratio(trace: dict[str, Any], answers: list[dict[str, Any]]) -> float | 
         return None
     instead, kept = (times.get((inputs[last], key)) for key in ends)
     return instead / kept if instead and kept else None
-
-
-def replayed(trace: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The directives a fresh planner answers ``trace`` with (``None`` where the replay raises)."""
-    from lightning_offload.planner.replay import replay
-
-    try:
-        return replay(trace)[1]
-    except Exception:  # a rule switched off may break an invariant: that is a change too, with no plan to time
-        return None
 
 
 def ratio_summary(ratios: list[float]) -> str:

@@ -96,21 +96,21 @@ def recorded_traces(results: Path = RESULTS) -> dict[str, dict[str, Any]]:
     return found
 
 
+def replayed(trace: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The directives a fresh planner answers ``trace`` with (``None`` where the replay raises)."""
+    from lightning_offload.planner.replay import replay
+
+    try:
+        return replay(trace)[1]
+    except Exception:  # a patched constant or a rule switched off may break an invariant: that is a change too
+        return None
+
+
 def changed_traces(traces: dict[str, dict[str, Any]]) -> list[str]:
     """The traces whose replay answers otherwise than they recorded (or raises)."""
-    from lightning_offload.planner.replay import replay
     from lightning_offload.planner.trace import recorded_answers
 
-    changed = []
-    for name, trace in traces.items():
-        try:
-            _, answers = replay(trace)
-        except Exception:  # a patched constant may break an invariant: that is a change too
-            changed.append(name)
-            continue
-        if answers != recorded_answers(trace):
-            changed.append(name)
-    return changed
+    return [name for name, trace in traces.items() if replayed(trace) != recorded_answers(trace)]
 
 
 def short_name(trace: str) -> str:
